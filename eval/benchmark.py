@@ -1,0 +1,260 @@
+"""`draftsmith eval`: acceptance, speed and exactness of a drafter, measured side by side.
+
+For each prompt, in one process and interleaved (so a noisy machine hits all
+of them alike): plain decoding through draftsmith's engine, speculative
+decoding, and the transformers baselines asked for (`generate`, and its
+prompt-lookup decoding).  Same prompts, dtype, threads and max tokens.
+
+Exactness is judged in fp32 (ISSUE: in bf16 a forward over several tokens
+rounds differently from a forward over one, so a bf16 speculative run may
+flip a near-tie that plain bf16 decoding resolves the other way): speculative
+greedy must equal plain greedy token for token in fp32.  The bf16 agreement
+of the timed runs is reported beside it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from draftsmith.data import sources
+from draftsmith.data.chat import prompt_ids
+from draftsmith.heads.drafter import load_drafter
+from draftsmith.heads.target import Target, resolve_dtype
+from draftsmith.heads.tree import TreeShape
+from . import metrics
+from .verifier import decode
+
+log = logging.getLogger(__name__)
+
+PROMPT_LOOKUP_TOKENS = 10   # transformers' documented example value
+
+
+@dataclass
+class EvalOptions:
+    prompts: str = "mt-bench"
+    limit: int = 20
+    max_new_tokens: int = 128
+    proposal: str = "default"          # default | chain | tree
+    chain_length: int | None = None
+    tree_size: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    rule: str = "auto"                 # auto | greedy | sampling | typical
+    dtype: str = "auto"
+    baselines: tuple = ("plain", "generate")
+    exact_prompts: int = 3             # fp32 exactness checked on this many prompts (all with dtype float32)
+    seed: int = 0
+    cost_per_hour: float | None = None
+    target_path: str | None = None     # default: the one the checkpoint names
+
+
+@dataclass
+class PromptResult:
+    id: str
+    prompt_tokens: int
+    tokens: int
+    accepted: list[int]
+    seconds: dict                      # mode -> wall seconds
+    first_token_seconds: dict          # mode -> seconds
+    bf16_identical: bool | None = None
+    common_prefix: float = 1.0         # fraction of the plain output the speculative output reproduces before diverging
+
+    @property
+    def tau(self) -> float:
+        return metrics.tau(self.accepted)
+
+
+@dataclass
+class EvalReport:
+    checkpoint: str
+    kind: str
+    target: str
+    prompts_source: str
+    dtype: str
+    proposal: str
+    temperature: float
+    max_new_tokens: int
+    prompts: int
+    tau: float
+    per_position_acceptance: list[float]
+    conditional_acceptance: list[float]
+    tokens_per_second: dict
+    speedup_vs_plain: float
+    speedup_vs_generate: float | None
+    speedup_vs_prompt_lookup: float | None
+    greedy_exact: bool
+    exact_checked_prompts: int
+    first_mismatch: str | None
+    bf16_token_agreement: float | None
+    mean_first_token_seconds: dict
+    mean_seconds_per_request: dict
+    cost_per_request: dict | None
+    per_prompt: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_prompts(target: Target, source: str, limit: int) -> list[tuple[str, list[int]]]:
+    convs = sources.conversations(source, limit=limit)
+    out = []
+    for conv in convs:
+        messages = conv.messages
+        if messages[-1]["role"] == "assistant":      # a traffic sample with replies: ask the first question
+            messages = messages[: next(i for i, m in enumerate(messages) if m["role"] == "user") + 1]
+        out.append((conv.id, prompt_ids(target.tokenizer, messages)))
+    if not out:
+        raise ValueError(f"no prompts in '{source}'")
+    return out
+
+
+def configure_proposal(drafter, target: Target, options: EvalOptions) -> str:
+    """Set the drafter's proposal shape; returns its description."""
+    if options.proposal == "chain" or (options.proposal == "default" and getattr(drafter, "prefers_chain", False)):
+        drafter.set_proposal(chain=options.chain_length)
+        return f"chain of {drafter.tree.size}" if hasattr(drafter, "tree") else "chain"
+    if hasattr(drafter, "default_tree"):        # static trees (Medusa)
+        size = options.tree_size or tune_tree_size(drafter, target)
+        drafter.set_proposal(tree=drafter.default_tree(size))
+        return f"static tree of {size}"
+    drafter.set_proposal(tree_size=options.tree_size)
+    return drafter.describe_proposal()
+
+
+def block_cost(target: Target, sizes: list[int], context: int = 200, repeats: int = 5) -> dict[int, float]:
+    """Median seconds of one target forward over n new tokens after `context` cached tokens."""
+    cache = target.new_cache(1, context + max(sizes) + 1)
+    ids = torch.randint(0, target.vocab_size, (1, context), device=target.device)
+    target.forward_block(cache, ids, torch.arange(context, device=target.device)[None], logits="none")
+    costs = {}
+    for n in sizes:
+        times = []
+        for _ in range(repeats):
+            block = torch.randint(0, target.vocab_size, (1, n), device=target.device)
+            t = time.perf_counter()
+            target.forward_block(cache, block, torch.arange(context, context + n, device=target.device)[None],
+                                 logits="all")
+            times.append(time.perf_counter() - t)
+            cache.truncate(context)
+        costs[n] = sorted(times)[len(times) // 2]
+    return costs
+
+
+def tune_tree_size(drafter, target: Target) -> int:
+    """The static tree size with the best expected tokens per second on this machine."""
+    sizes = [4, 8, 12, 16, 24, 32, 48, 64]
+    costs = block_cost(target, [s + 1 for s in sizes])
+    rates = drafter.metadata.get("topk_accuracy")
+    best = max(sizes, key=lambda s: (1 + drafter.default_tree(s).expected_accepted(rates or [[0.0]])) / costs[s + 1]
+               if rates else -s)
+    log.info("tree size %d (forward costs: %s)", best, {k - 1: round(v * 1000, 1) for k, v in costs.items()})
+    return best
+
+
+def _time_generate(target: Target, prompt: list[int], max_new_tokens: int, lookup: bool) -> tuple[float, list[int]]:
+    ids = torch.tensor([prompt], device=target.device)
+    extra = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS} if lookup else {}
+    t = time.perf_counter()
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False, eos_token_id=target.eos_token_ids,
+                                pad_token_id=target.eos_token_ids[0], **extra)
+    return time.perf_counter() - t, out[0, len(prompt):].tolist()
+
+
+def run_modes(target, drafter, prompt, options, generator_seed: int) -> tuple[dict, dict, list[int], list[int], list[int]]:
+    """One prompt, every mode, interleaved.  Returns seconds, first-token seconds, plain/spec tokens, accepted."""
+    seconds, first = {}, {}
+    gen = torch.Generator(device=target.device).manual_seed(generator_seed)
+    plain = decode(target, prompt, options.max_new_tokens, None, options.temperature, options.top_p, generator=gen)
+    seconds["plain"], first["plain"] = plain.seconds, plain.first_token_seconds
+    gen = torch.Generator(device=target.device).manual_seed(generator_seed + 1)
+    spec = decode(target, prompt, options.max_new_tokens, drafter, options.temperature, options.top_p,
+                  options.rule, generator=gen)
+    seconds["speculative"], first["speculative"] = spec.seconds, spec.first_token_seconds
+    if options.temperature <= 0:
+        for mode, lookup in (("generate", False), ("prompt-lookup", True)):
+            if mode in options.baselines:
+                seconds[mode], _ = _time_generate(target, prompt, options.max_new_tokens, lookup)
+    return seconds, first, plain.tokens, spec.tokens, spec.accepted
+
+
+def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOptions, count: int):
+    """fp32: speculative greedy equals plain greedy token for token.  Returns (exact, first mismatch id)."""
+    target32 = Target.load(target_path, "float32")
+    drafter32 = load_drafter(checkpoint, target32).float()
+    configure_proposal(drafter32, target32, options)
+    for prompt_id, prompt in prompts[:count]:
+        plain = decode(target32, prompt, options.max_new_tokens)
+        spec = decode(target32, prompt, options.max_new_tokens, drafter32)
+        if plain.tokens != spec.tokens:
+            return False, prompt_id
+    return True, None
+
+
+def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> EvalReport:
+    from draftsmith.heads.drafter import read_config
+
+    config = read_config(checkpoint)
+    target_path = options.target_path or config["target"]["name"]
+    dtype = resolve_dtype(options.dtype)
+    target = Target.load(target_path, dtype)
+    drafter = load_drafter(checkpoint, target).to(dtype)
+    description = configure_proposal(drafter, target, options)
+    if options.proposal != "chain" and options.tree_size is None and hasattr(drafter, "tree"):
+        options.tree_size = drafter.tree.size          # the fp32 check verifies the same tree
+    prompts = load_prompts(target, options.prompts, options.limit)
+    run_modes(target, drafter, prompts[0][1][:32], EvalOptions(**{**asdict(options), "max_new_tokens": 8}), 0)  # warm-up
+    results = []
+    for index, (prompt_id, prompt) in enumerate(prompts):
+        seconds, first, plain, spec, accepted = run_modes(target, drafter, prompt, options, options.seed + 2 * index)
+        identical = plain == spec if options.temperature <= 0 else None
+        common = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+        results.append(PromptResult(prompt_id, len(prompt), len(spec), accepted, seconds, first, identical,
+                                    common / max(1, len(plain))))
+        if progress:
+            line = "  ".join(f"{m} {s:.2f}s" for m, s in seconds.items())
+            print(f"[{index + 1}/{len(prompts)}] {prompt_id}: {len(spec)} tokens, tau {results[-1].tau:.2f}  {line}",
+                  flush=True)
+    exact_count = len(prompts) if dtype == torch.float32 else min(options.exact_prompts, len(prompts))
+    if dtype == torch.float32 and options.temperature <= 0:
+        exact = all(r.bf16_identical for r in results)
+        mismatch = next((r.id for r in results if not r.bf16_identical), None)
+    else:
+        exact, mismatch = check_exactness(checkpoint, target_path, prompts, options, exact_count)
+    return summarize(checkpoint, config, target_path, options, description, dtype, results, exact, exact_count,
+                     mismatch)
+
+
+def summarize(checkpoint, config, target_path, options, description, dtype, results, exact, exact_count,
+              mismatch) -> EvalReport:
+    accepted = [a for r in results for a in r.accepted]
+    depth = max(accepted, default=0)
+    per_position = metrics.per_position_acceptance(accepted, max(depth, 1))
+    modes = results[0].seconds.keys()
+    totals = {m: sum(r.seconds[m] for r in results) for m in modes}
+    tokens = {m: sum(r.tokens for r in results) for m in modes}
+    rate = {m: tokens[m] / totals[m] for m in modes}
+
+    def ratio(mode):
+        return rate["speculative"] / rate[mode] if mode in rate else None
+    cost = None
+    if options.cost_per_hour:
+        cost = {m: totals[m] / len(results) * options.cost_per_hour / 3600 for m in modes}
+    bf16 = None
+    if options.temperature <= 0 and dtype != torch.float32:
+        bf16 = sum(r.common_prefix for r in results) / len(results)
+    return EvalReport(
+        checkpoint=str(checkpoint), kind=config["kind"], target=target_path, prompts_source=options.prompts,
+        dtype=str(dtype).replace("torch.", ""), proposal=description, temperature=options.temperature,
+        max_new_tokens=options.max_new_tokens, prompts=len(results), tau=metrics.tau(accepted),
+        per_position_acceptance=per_position, conditional_acceptance=metrics.conditional_acceptance(per_position),
+        tokens_per_second=rate, speedup_vs_plain=ratio("plain"), speedup_vs_generate=ratio("generate"),
+        speedup_vs_prompt_lookup=ratio("prompt-lookup"), greedy_exact=exact, exact_checked_prompts=exact_count,
+        first_mismatch=mismatch, bf16_token_agreement=bf16,
+        mean_first_token_seconds={m: sum(r.first_token_seconds[m] for r in results) / len(results)
+                                  for m in results[0].first_token_seconds},
+        mean_seconds_per_request={m: totals[m] / len(results) for m in modes}, cost_per_request=cost,
+        per_prompt=[{**asdict(r), "tau": r.tau} for r in results])

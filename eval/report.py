@@ -1,0 +1,49 @@
+"""Reports: the markdown table on screen and the JSON on disk."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .benchmark import EvalReport
+
+MODE_NAMES = {"plain": "plain decoding (draftsmith engine)", "speculative": "speculative (draftsmith)",
+              "generate": "transformers generate", "prompt-lookup": "transformers prompt-lookup"}
+
+
+def markdown(report: EvalReport) -> str:
+    lines = [
+        f"### {report.kind} drafter on {report.target}: {report.prompts} {report.prompts_source} prompts, "
+        f"{report.max_new_tokens} new tokens, {report.dtype}, "
+        f"{'greedy' if report.temperature <= 0 else f'temperature {report.temperature}'}, {report.proposal}",
+        "",
+        "| decoding | tokens/s | s/request | time to first token | speedup of speculative |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    spec_rate = report.tokens_per_second["speculative"]
+    for mode, rate in report.tokens_per_second.items():
+        ttft = report.mean_first_token_seconds.get(mode)
+        speed = "" if mode == "speculative" else f"{spec_rate / rate:.2f}x"
+        lines.append(f"| {MODE_NAMES.get(mode, mode)} | {rate:.1f} | {report.mean_seconds_per_request[mode]:.2f} | "
+                     f"{'' if ttft is None else f'{ttft * 1000:.0f} ms'} | {speed} |")
+    lines += [
+        "",
+        f"- tau (tokens per target forward): **{report.tau:.2f}**",
+        "- per-position acceptance: " + " ".join(f"{a:.2f}" for a in report.per_position_acceptance)
+        + "  (conditional: " + " ".join(f"{a:.2f}" for a in report.conditional_acceptance) + ")",
+        f"- greedy exact (fp32, {report.exact_checked_prompts} prompts): **{report.greedy_exact}**"
+        + (f" (first mismatch: {report.first_mismatch})" if report.first_mismatch else ""),
+    ]
+    if report.bf16_token_agreement is not None:
+        lines.append(f"- bf16 token agreement with plain bf16 decoding: {report.bf16_token_agreement:.3f}")
+    if report.cost_per_request:
+        lines.append("- cost per request: " + ", ".join(f"{MODE_NAMES.get(m, m)} {c:.6f}"
+                                                          for m, c in report.cost_per_request.items()))
+    return "\n".join(lines)
+
+
+def write_json(report: EvalReport, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report.to_dict(), indent=2))
+    tmp.replace(path)

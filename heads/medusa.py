@@ -1,0 +1,236 @@
+"""Medusa heads (FasterDecoding/Medusa, arXiv 2401.10774).
+
+K heads read the target's final hidden state h_t.  The target's own lm_head
+predicts token t+1; head k (k = 0..K-1) predicts token t+2+k.  A head is
+`num_layers` residual blocks x + SiLU(W x + b), W zero-initialised so the
+head starts as the target's own next-token predictor shifted by k+1, then
+a vocabulary projection: the target's frozen lm_head ("shared") or a
+trainable copy of it per head ("own").  Every block is its own module (the
+upstream `[Block(H)] * n` shares one module n times).
+
+With `draft_vocab_size` the projection scores only the most frequent tokens
+of the training replies (see data/vocab.py; vLLM's `token_map`).  On a small
+target the projection is most of a head's cost, in training and decoding.
+
+Shape notation: b batch, s sequence, d hidden, v draft vocabulary, k heads,
+m selected positions, r candidates per head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .drafter import DraftContext, StepOutput
+from .target import Target
+from .tree import DraftTree, TreeShape
+
+
+@dataclass
+class MedusaConfig:
+    num_heads: int = 4
+    """Draft positions: head k predicts the token k+2 places after the current one."""
+    num_layers: int = 1
+    """Residual blocks per head (1 in every published recipe)."""
+    lm_head: str = "shared"
+    """'shared': all heads use the target's frozen lm_head; 'own': each head trains a copy of it."""
+    draft_vocab_size: int | None = None
+    """Score only this many most frequent reply tokens; null = the target's whole vocabulary."""
+    loss_decay: float = 0.8
+    """Head k's loss weight is loss_decay ** k (Medusa paper)."""
+    labels: str = "target"
+    """'target': the target's own greedy next tokens (self-distillation); 'data': the tokens in the data."""
+
+    def __post_init__(self):
+        if self.num_heads < 1 or self.num_layers < 1:
+            raise ValueError(f"medusa needs num_heads >= 1 and num_layers >= 1, got {self.num_heads}, {self.num_layers}")
+        if self.lm_head not in ("shared", "own"):
+            raise ValueError(f"drafter.lm_head must be 'shared' or 'own', got '{self.lm_head}'")
+        if self.labels not in ("target", "data"):
+            raise ValueError(f"drafter.labels must be 'target' or 'data', got '{self.labels}'")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"drafter.draft_vocab_size must be >= 1 or null, got {self.draft_vocab_size}")
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)   # starts as the identity (the bias keeps its default init)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., d] -> [..., d]"""
+        return x + F.silu(self.linear(x))
+
+
+class Medusa(nn.Module):
+    kind = "medusa"
+    config_class = MedusaConfig
+
+    def __init__(self, config: MedusaConfig, target: Target):
+        super().__init__()
+        self.config = config
+        self.target = target                       # not a submodule: never trained, never saved
+        self.target_identity = target.identity
+        d = target.hidden_size
+        vocab = config.draft_vocab_size or target.vocab_size
+        if vocab > target.vocab_size:
+            raise ValueError(f"draft_vocab_size={vocab} is larger than the target's vocabulary ({target.vocab_size})")
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResidualBlock(d) for _ in range(config.num_layers)]) for _ in range(config.num_heads))
+        self.register_buffer("draft_to_target", torch.arange(vocab))
+        if config.lm_head == "own":
+            self.lm_heads = nn.ModuleList(nn.Linear(d, vocab, bias=False) for _ in range(config.num_heads))
+        self.set_draft_vocabulary(self.draft_to_target)
+        self.tree = TreeShape.chain(config.num_heads)
+        self.metadata: dict = {}
+
+    @property
+    def required_layers(self) -> tuple[int, ...]:
+        return (self.target.num_layers,)
+
+    @property
+    def draft_positions(self) -> int:
+        return len(self.blocks)
+
+    def forward(self, batch: dict) -> StepOutput:
+        return self.loss(batch)
+
+    def set_draft_vocabulary(self, draft_to_target: torch.Tensor) -> None:
+        """Choose the scored tokens (ascending target ids); own heads restart from the target's rows."""
+        self.draft_to_target.copy_(draft_to_target.to(self.draft_to_target.device))
+        self._refresh_vocabulary_map()
+        if self.config.lm_head == "own":
+            rows = self.target.lm_head.weight.detach()[self.draft_to_target].float()
+            for head in self.lm_heads:
+                head.weight.data.copy_(rows)
+
+    def _refresh_vocabulary_map(self) -> None:
+        target_to_draft = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
+        target_to_draft[self.draft_to_target.cpu()] = torch.arange(self.draft_to_target.numel())
+        self._target_to_draft = target_to_draft.to(self.draft_to_target.device)
+        self._shared_weight = None
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._refresh_vocabulary_map()
+
+    def _apply(self, fn, *args, **kwargs):   # .to(device) moves the derived map along
+        result = super()._apply(fn, *args, **kwargs)
+        self._refresh_vocabulary_map()
+        return result
+
+    def _projection(self, head: int) -> torch.Tensor:
+        """Vocabulary projection of head `head`: [v, d]."""
+        if self.config.lm_head == "own":
+            return self.lm_heads[head].weight
+        if self._shared_weight is None:
+            weight = self.target.lm_head.weight.detach()
+            full = self.draft_to_target.numel() == self.target.vocab_size
+            self._shared_weight = weight if full else weight[self.draft_to_target]
+        return self._shared_weight
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [m, d] final target hidden states -> [k, m, v] draft-vocabulary logits."""
+        hidden = hidden.to(self.blocks[0][0].linear.weight.dtype)
+        states = torch.stack([block(hidden) for block in self.blocks])                  # [k, m, d]
+        if self.config.lm_head == "shared":
+            weight = self._projection(0)
+            return torch.matmul(states.to(weight.dtype), weight.t())                     # one weight read for all heads
+        return torch.stack([F.linear(states[k], self._projection(k)) for k in range(len(self.blocks))])
+
+    # -- training ----------------------------------------------------------------
+    def _next_tokens(self, batch: dict) -> torch.Tensor:
+        """[b, s] the token that follows each position: the target's greedy choice, or the data's."""
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        following = F.pad(input_ids[:, 1:], (0, 1))
+        if self.config.labels == "data":
+            return following
+        hidden = batch["features"][self.target.num_layers]
+        needed = F.pad(loss_mask[:, 1:], (0, 1)).bool()           # positions whose next token is trained on
+        chosen = following.clone()
+        with torch.no_grad():
+            rows = hidden[needed]                                     # [m, d]
+            picks = [self.target.compute_logits(chunk).argmax(-1) for chunk in rows.split(2048)]
+            chosen[needed] = torch.cat(picks) if picks else chosen[needed]
+        return chosen
+
+    def loss(self, batch: dict) -> StepOutput:
+        """Medusa-1 loss: sum_k decay^k * CE(head k at t, token t+2+k) over assistant tokens."""
+        hidden = batch["features"][self.target.num_layers]          # [b, s, d]
+        loss_mask = batch["loss_mask"].bool()                        # [b, s]
+        k_heads = len(self.blocks)
+        b, s, _ = hidden.shape
+        next_tokens = F.pad(self._next_tokens(batch), (0, k_heads + 2))          # [b, s + k + 2]
+        label_mask = F.pad(loss_mask, (0, k_heads + 2))
+        span = s - 2
+        selected = loss_mask[:, 2:]                                              # [b, s-2] head 0 has a label
+        states = hidden[:, :span][selected]                                      # [m, d]
+        logits = self.head_logits(states)                                        # [k, m, v]
+        total = hidden.new_zeros((), dtype=torch.float32)
+        correct = torch.zeros(k_heads, device=hidden.device)
+        counted = torch.zeros(k_heads, device=hidden.device)
+        for k in range(k_heads):
+            labels = next_tokens[:, 1 + k: 1 + k + span][selected]             # target ids, [m]
+            valid = label_mask[:, 2 + k: 2 + k + span][selected]               # [m]
+            draft_labels = self._target_to_draft[labels]
+            scored = valid & (draft_labels >= 0)
+            head_logits = logits[k].float()
+            if scored.any():
+                ce = F.cross_entropy(head_logits[scored], draft_labels[scored], reduction="sum")
+                total = total + (self.config.loss_decay ** k) * ce / valid.sum().clamp(min=1)
+            correct[k] = ((head_logits.argmax(-1) == draft_labels) & scored).sum()
+            counted[k] = valid.sum()
+        return StepOutput(loss=total, correct=correct, counted=counted)
+
+    @torch.no_grad()
+    def topk_hits(self, batch: dict, top: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out calibration for trees: hits [k, top] (rank-r candidate of head k was right), counted [k]."""
+        hidden = batch["features"][self.target.num_layers]
+        loss_mask = batch["loss_mask"].bool()
+        k_heads = len(self.blocks)
+        s = hidden.shape[1]
+        next_tokens = F.pad(self._next_tokens(batch), (0, k_heads + 2))
+        label_mask = F.pad(loss_mask, (0, k_heads + 2))
+        selected = loss_mask[:, 2:]
+        logits = self.head_logits(hidden[:, : s - 2][selected])
+        ranked = logits.topk(min(top, logits.shape[-1]), dim=-1).indices                # [k, m, top]
+        hits = torch.zeros(k_heads, ranked.shape[-1])
+        counted = torch.zeros(k_heads)
+        for k in range(k_heads):
+            labels = self._target_to_draft[next_tokens[:, 1 + k: 1 + k + s - 2][selected]]
+            valid = label_mask[:, 2 + k: 2 + k + s - 2][selected]
+            hits[k] = ((ranked[k] == labels[:, None]) & valid[:, None]).sum(0).float().cpu()
+            counted[k] = valid.sum().float().cpu()
+        return hits, counted
+
+    # -- decoding ----------------------------------------------------------------
+    def set_proposal(self, chain: int | None = None, tree: TreeShape | None = None) -> None:
+        """Propose a chain of `chain` tokens, or the given static tree (depth <= num_heads)."""
+        shape = tree if tree is not None else TreeShape.chain(chain or len(self.blocks))
+        if shape.max_depth > len(self.blocks):
+            raise ValueError(f"a Medusa drafter with {len(self.blocks)} heads proposes at most {len(self.blocks)} "
+                             f"tokens deep; asked for depth {shape.max_depth}")
+        self.tree = shape
+
+    def default_tree(self, size: int) -> TreeShape:
+        """The sparse tree of `size` nodes with the best expected acceptance, from held-out top-k rates."""
+        rates = self.metadata.get("topk_accuracy")
+        if not rates:
+            # no calibration: a guess that decays with depth and rank
+            rates = [[0.6 ** (k + 1) / (r + 1) for r in range(10)] for k in range(len(self.blocks))]
+        return TreeShape.best(rates, size)
+
+    def reset(self) -> None:
+        pass   # Medusa keeps no state between steps
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> DraftTree:
+        hidden = context.hidden[self.target.num_layers][-1:]                   # [1, d] at the last committed token
+        logits = self.head_logits(hidden)[:, 0]                                 # [k, v]
+        candidates = logits.topk(self.tree.max_rank, dim=-1).indices            # [k, r]
+        candidates = self.draft_to_target[candidates]
+        tokens = candidates[self.tree.depths - 1, self.tree.ranks]              # [n]
+        return DraftTree(tokens=tokens, parents=self.tree.parents)

@@ -1,0 +1,262 @@
+"""The frozen target model: loading, identity, features and the engine's block forward.
+
+Layer ids follow DESIGN.md: `i` is Hugging Face `hidden_states[i]`, the INPUT
+of decoder layer i (0 = embeddings); `N` (the layer count) is the output
+after the final norm.  transformers 5.x records the last layer's output
+before the norm as `hidden_states[N]`, so layer N is always taken from
+`last_hidden_state` here and never from that index.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import engine
+from .assets import resolve_target_path
+
+log = logging.getLogger(__name__)
+
+
+class TargetError(ValueError):
+    """A target that cannot be loaded, or that does not match a drafter."""
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """What a drafter was trained against: recorded in every checkpoint."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    weights_sha256: str  # of the embedding and lm_head, in bf16
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TargetIdentity":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+    def require_same(self, other: "TargetIdentity", what: str) -> None:
+        """Raise unless `other` is the same target (the name may differ: a path moves)."""
+        fields = ("vocab_size", "hidden_size", "num_layers", "weights_sha256")
+        diffs = [f"{f}: {getattr(self, f)} vs {getattr(other, f)}" for f in fields if getattr(self, f) != getattr(other, f)]
+        if diffs:
+            raise TargetError(
+                f"{what} was made for target '{self.name}' but the loaded target is '{other.name}' "
+                f"({'; '.join(diffs)}). Load the target it was trained on (target.path=...) or retrain."
+            )
+
+
+@dataclass
+class BlockOutput:
+    """Result of one engine forward over n new tokens."""
+
+    logits: torch.Tensor | None            # [b, n, v] (float32), None if not asked for
+    hidden_states: dict[int, torch.Tensor]  # layer id -> [b, n, d]
+
+
+def _weights_hash(*tensors: torch.Tensor) -> str:
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _require_causal_lm(model_dir: Path, path: str) -> None:
+    """A saved config that names its architecture must name a causal LM (BERT's encoder is not one)."""
+    import json
+
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        return
+    architectures = json.loads(config_file.read_text()).get("architectures") or []
+    if architectures and not any("CausalLM" in a or "LMHead" in a or "ForConditionalGeneration" in a
+                                 for a in architectures):
+        raise TargetError(f"target '{path}' is not a causal LM (its config names {architectures}); draftsmith "
+                          "needs a decoder-only model such as *ForCausalLM")
+
+
+def preferred_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """bf16 where the device computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), else fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu":
+        return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported() else torch.float32
+    return torch.float32
+
+
+def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """'auto' | 'bfloat16' | 'float32' (or a torch dtype) -> torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return preferred_dtype(device)
+    if name not in ("bfloat16", "float32", "float16"):
+        raise ValueError(f"dtype must be auto, bfloat16 or float32, got '{name}'")
+    return getattr(torch, name)
+
+
+class Target:
+    """A frozen Hugging Face causal LM with what drafters need from it."""
+
+    def __init__(self, model: nn.Module, tokenizer, name: str):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.config = config
+        self.num_layers = int(config.num_hidden_layers)
+        self.hidden_size = int(config.hidden_size)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.decoder = model.get_decoder()
+        self.embed_tokens: nn.Module = model.get_input_embeddings()
+        self.lm_head: nn.Module = model.get_output_embeddings()
+        self.identity = TargetIdentity(
+            name=name, model_type=str(config.model_type), vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size, num_layers=self.num_layers,
+            weights_sha256=_weights_hash(self.embed_tokens.weight, self.lm_head.weight),
+        )
+        self.eos_token_ids = self._eos_ids()
+
+    # -- loading ---------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str = "smollm2-135m", dtype: str | torch.dtype = "auto", device: str = "cpu",
+             trust_remote_code: bool = False) -> "Target":
+        """Load a target from a local HF directory, a hub id in the local cache, a .gguf file or 'smollm2-135m'."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model_dir, name = resolve_target_path(path, trust_remote_code=trust_remote_code)
+        _require_causal_lm(Path(model_dir), path)
+        torch_dtype = resolve_dtype(dtype, device)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch_dtype, attn_implementation=engine.ENGINE_ATTENTION,
+                trust_remote_code=trust_remote_code, local_files_only=True)
+        except (ValueError, KeyError) as err:
+            raise TargetError(f"target '{path}' ({model_dir}) does not load as a causal LM: {err}") from err
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code, local_files_only=True)
+        target = cls(model.to(device), tokenizer, name)
+        target.self_check()
+        return target
+
+    def _eos_ids(self) -> list[int]:
+        ids = set()
+        for source in (getattr(self.model, "generation_config", None), self.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if value is None:
+                continue
+            ids.update([value] if isinstance(value, int) else list(value))
+        return sorted(ids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def to(self, dtype: torch.dtype) -> "Target":
+        self.model.to(dtype)
+        return self
+
+    # -- pieces drafters reuse -------------------------------------------------
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Target logits from final (normed) hidden states, as the model's own head computes them.
+
+        hidden: [..., d] -> [..., v]
+        """
+        # Flattened to 2D: a strided 3D input makes linear() expand the weight per row.
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(self.lm_head.weight.dtype)
+        logits = self.lm_head(flat).view(*hidden.shape[:-1], -1)
+        scale = getattr(self.config, "logit_scale", None)
+        if scale is not None:
+            logits = logits * scale
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def check_layer_ids(self, layer_ids, what: str = "layer ids") -> tuple[int, ...]:
+        layer_ids = tuple(int(i) for i in layer_ids)
+        bad = [i for i in layer_ids if not 0 <= i <= self.num_layers]
+        if bad:
+            raise TargetError(
+                f"{what} {list(layer_ids)}: {bad} out of range for target '{self.name}' with {self.num_layers} "
+                f"layers; valid ids are 0 (embeddings) .. {self.num_layers} (final normed output)")
+        return layer_ids
+
+    # -- forwards --------------------------------------------------------------
+    def _collect(self, out, layer_ids) -> dict[int, torch.Tensor]:
+        hidden = {}
+        for i in layer_ids:
+            hidden[i] = out.last_hidden_state if i == self.num_layers else out.hidden_states[i]
+        return hidden
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 layer_ids) -> dict[int, torch.Tensor]:
+        """Hidden states for training: input_ids [b, s] -> {layer id: [b, s, d]} (no grad)."""
+        layer_ids = self.check_layer_ids(layer_ids)
+        need_all = any(i != self.num_layers for i in layer_ids)
+        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                           output_hidden_states=need_all)
+        return self._collect(out, layer_ids)
+
+    def new_cache(self, batch_size: int, capacity: int) -> engine.EngineCache:
+        return engine.EngineCache(batch_size, capacity, self.num_layers, device=self.device)
+
+    @torch.no_grad()
+    def forward_block(self, cache: engine.EngineCache, input_ids: torch.Tensor, positions: torch.Tensor,
+                      block_mask: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                      layer_ids=(), logits: str = "all") -> BlockOutput:
+        """One cached forward over a block of n new tokens; their keys/values stay in the cache.
+
+        input_ids, positions: [b, n]; block_mask: [b, n, n] bool among the new
+        tokens (None = causal); valid: [b, n] (None = all real tokens).
+        logits: "all" ([b, n, v]), "last" ([b, 1, v]) or "none".
+        """
+        need_all = any(i != self.num_layers for i in layer_ids)
+        cache.begin_block(positions, block_mask, valid)
+        b, n = input_ids.shape
+        dummy_mask = torch.ones(b, 1, n, 1, dtype=torch.bool, device=input_ids.device)  # 4D: skips HF mask building
+        out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=dummy_mask, use_cache=False,
+                           output_hidden_states=need_all, **{engine.CACHE_KWARG: cache})
+        cache.end_block()
+        hidden = out.last_hidden_state
+        result = None
+        if logits == "all":
+            result = self.compute_logits(hidden).float()
+        elif logits == "last":
+            result = self.compute_logits(hidden[:, -1:]).float()
+        return BlockOutput(logits=result, hidden_states=self._collect(out, layer_ids))
+
+    def self_check(self) -> None:
+        """The engine and `compute_logits` must reproduce the model's own forward."""
+        ids = torch.tensor([[1, 2, 3, 4, 5]], device=self.device) % self.vocab_size
+        with torch.no_grad():
+            reference = self.model(input_ids=ids, use_cache=False).logits.float()
+            cache = self.new_cache(1, 8)
+            first = self.forward_block(cache, ids[:, :3], torch.arange(3, device=self.device)[None]).logits
+            second = self.forward_block(cache, ids[:, 3:], torch.arange(3, 5, device=self.device)[None]).logits
+        ours = torch.cat([first, second], dim=1)
+        if self.dtype == torch.float32:
+            err = (ours - reference).abs().max().item()
+            ok = err <= 1e-4 * (1.0 + reference.abs().max().item())
+        else:  # bf16 alone moves logits by several units: compare directions
+            err = 1.0 - torch.nn.functional.cosine_similarity(ours, reference, dim=-1).min().item()
+            ok = err <= 5e-3
+        if not ok:
+            raise TargetError(
+                f"draftsmith's engine disagrees with target '{self.name}' ({self.config.model_type}) by {err:.3g} "
+                "in logits: this architecture computes something the engine does not know about "
+                "(custom attention or output head); please report it with the model type")

@@ -1,0 +1,1 @@
+"""draftsmith recipes: YAML files shipped with the package (see README)."""

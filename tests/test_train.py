@@ -1,0 +1,183 @@
+"""Recipes, the training loop, checkpoints, resume and the errors a user meets first."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from draftsmith.heads.drafter import load_drafter
+from draftsmith.heads.medusa import Medusa, MedusaConfig
+from draftsmith.heads.target import Target, TargetError
+from draftsmith.train.loop import TrainingError, fit
+from draftsmith.train.settings import RecipeError, load_recipe, recipe_from_dict
+
+from conftest import build_tiny_target
+from test_data import chats_file
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_every_recipe_loads_and_names_its_command(path):
+    recipe = load_recipe(path)
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# draftsmith ") or first.startswith("# accelerate launch"), first
+    assert recipe.method in ("medusa", "eagle", "eagle3")
+
+
+def test_unknown_recipe_key_is_named_with_the_valid_keys():
+    with pytest.raises(RecipeError, match=r"unknown key\(s\) \['lr_max'\] in recipe section 'train'.*'lr'"):
+        recipe_from_dict({"method": "medusa", "train": {"lr_max": 1}})
+    with pytest.raises(RecipeError, match=r"unknown recipe key\(s\) \['tarjet'\]"):
+        recipe_from_dict({"method": "medusa", "tarjet": {}})
+    with pytest.raises(RecipeError, match="method"):
+        recipe_from_dict({"method": "lookahead"})
+
+
+def tiny_recipe(tmp_path, target_dir, **train):
+    return {
+        "method": "medusa", "output_dir": str(tmp_path / "run"), "seed": 0,
+        "target": {"path": str(target_dir), "dtype": "float32"},
+        "data": {"source": str(chats_file(tmp_path / "chats.jsonl", 40)), "max_conversations": None,
+                 "batch_size": 8, "max_new_tokens": 24},
+        "drafter": {"num_heads": 3, "lm_head": "own", "draft_vocab_size": 64},
+        "train": {"epochs": 2, "batch_size": 4, "lr": 1e-2, "warmup_steps": 2, "log_every": 2, "save_every": 3,
+                  "mixed_precision": "no", "heldout_fraction": 0.2, **train},
+    }
+
+
+def test_training_end_to_end_writes_a_checkpoint_that_reloads(tiny_target_dir, tmp_path):
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_target_dir, epochs=4))
+    report = fit(recipe, progress=False)
+    from draftsmith.train.batches import load_training_data
+    train_rows, heldout_rows, _ = load_training_data(recipe, Target.load(str(tiny_target_dir), "float32"))
+    assert len(train_rows["id"]) + len(heldout_rows["id"]) == 40 and len(heldout_rows["id"]) > 0
+    assert report.steps == 4 * -(-len(train_rows["id"]) // 4) and report.stopped_by == "epochs"   # 4 epochs
+    losses = [h["train/loss"] for h in report.history if "train/loss" in h]
+    assert losses[-1] < 0.75 * losses[0]                                   # it learns ...
+    assert report.heldout_agreement[0] > 0.2                               # ... what the target says
+    ckpt = Path(report.checkpoint)
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["kind"] == "medusa" and config["target_layer_ids"] == [2] and len(config["topk_accuracy"]) == 3
+    weights = load_file(str(ckpt / "model.safetensors"))
+    assert "draft_to_target" in weights and not any(k.startswith("target") for k in weights)
+    assert (ckpt / "recipe.yaml").is_file() and (ckpt / "state" / "optimizer.pt").is_file()
+    target = Target.load(str(tiny_target_dir), "float32")
+    drafter = load_drafter(ckpt, target)
+    assert torch.equal(drafter.draft_to_target, weights["draft_to_target"])
+
+
+def test_a_drafter_refuses_another_target(tiny_target_dir, tmp_path):
+    target = Target.load(str(tiny_target_dir), "float32")
+    drafter = Medusa(MedusaConfig(num_heads=2), target)
+    from draftsmith.heads.drafter import save_drafter
+    save_drafter(drafter, tmp_path / "ckpt")
+    other = Target.load(str(build_tiny_target(tmp_path / "other", seed=9)), "float32")
+    with pytest.raises(TargetError, match="weights_sha256"):
+        load_drafter(tmp_path / "ckpt", other)
+
+
+def test_target_errors_are_clear(tmp_path):
+    from draftsmith.heads.assets import AssetError
+    with pytest.raises(AssetError, match="not found"):
+        Target.load(str(tmp_path / "nowhere"))
+    (tmp_path / "notamodel").mkdir()
+    with pytest.raises(AssetError, match="no config.json"):
+        Target.load(str(tmp_path / "notamodel"))
+    from transformers import BertConfig, BertModel
+    BertModel(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32)).save_pretrained(tmp_path / "bert")
+    with pytest.raises(TargetError, match="causal LM"):
+        Target.load(str(tmp_path / "bert"))
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_target_dir, tmp_path, monkeypatch):
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_target_dir, epochs=1))
+    original = Medusa.loss
+    calls = {"n": 0}
+
+    def poisoned(self, batch):
+        out = original(self, batch)
+        calls["n"] += 1
+        if calls["n"] == 5:
+            out.loss = out.loss * float("nan")
+        return out
+    monkeypatch.setattr(Medusa, "loss", poisoned)
+    with pytest.raises(TrainingError, match="loss became nan at step 4.*last good checkpoint"):
+        fit(recipe, progress=False)
+    progress = json.loads((tmp_path / "run" / "checkpoint" / "state" / "progress.json").read_text())
+    assert progress["step"] == 3                                          # saved at step 3, nothing after
+
+
+TRAIN_SCRIPT = """
+import sys, time
+from draftsmith.train.loop import fit
+from draftsmith.train.settings import load_recipe
+fit(load_recipe(sys.argv[1], sys.argv[2:]), progress=False)
+"""
+
+
+def test_training_killed_and_resumed_ends_with_the_same_weights(tiny_target_dir, tmp_path):
+    raw = tiny_recipe(tmp_path, tiny_target_dir, save_every=1)
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(yaml.safe_dump(raw))
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    base = [sys.executable, str(script), str(recipe_path)]
+    # the data once, shared by both runs (so only training is compared)
+    subprocess.run(base + [f"output_dir={tmp_path / 'whole'}"], check=True, env=env, timeout=600)
+    import shutil
+    shutil.copytree(tmp_path / "whole" / "data", tmp_path / "killed" / "data")
+
+    proc = subprocess.Popen(base + [f"output_dir={tmp_path / 'killed'}"], env=env)
+    progress = tmp_path / "killed" / "checkpoint" / "state" / "progress.json"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if progress.exists() and json.loads(progress.read_text() or "{}").get("step", 0) >= 5:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    step_at_kill = json.loads(progress.read_text())["step"]
+    assert 5 <= step_at_kill < 16, "the kill did not land mid-run"
+    subprocess.run(base + [f"output_dir={tmp_path / 'killed'}", "resume=true"], check=True, env=env, timeout=600)
+
+    whole = load_file(str(tmp_path / "whole" / "checkpoint" / "model.safetensors"))
+    resumed = load_file(str(tmp_path / "killed" / "checkpoint" / "model.safetensors"))
+    assert whole.keys() == resumed.keys()
+    for key in whole:
+        assert torch.equal(whole[key], resumed[key]), key
+
+
+def test_resume_refuses_a_different_recipe(tiny_target_dir, tmp_path):
+    raw = tiny_recipe(tmp_path, tiny_target_dir, epochs=1)
+    fit(recipe_from_dict(raw), progress=False)
+    raw["resume"] = True
+    raw["train"]["lr"] = 2e-2
+    with pytest.raises(ValueError, match=r"train.lr: saved 0.01, now 0.02"):
+        fit(recipe_from_dict(raw), progress=False)
+
+
+def test_cached_and_online_features_give_the_same_loss(tiny_target_dir, tmp_path):
+    from draftsmith.train.batches import Batches, load_training_data
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_target_dir))
+    target = Target.load(str(tiny_target_dir), "float32")
+    layers = (target.num_layers,)
+    train_rows, _, source = load_training_data(recipe, target, layers)
+    assert source is not None
+    batch = Batches(train_rows, 4, 0, source).in_order()[0]
+    torch.manual_seed(0)
+    drafter = Medusa(recipe.drafter, target)
+    cached = drafter.loss({**batch, "features": {i: f.float() for i, f in batch["features"].items()}})
+    online = drafter.loss({**batch, "features": target.features(batch["input_ids"], batch["attention_mask"], layers)})
+    assert torch.allclose(cached.loss, online.loss, rtol=1e-2)        # the cache stores bf16
+    assert torch.equal(cached.counted, online.counted)

@@ -1,0 +1,185 @@
+"""Training data for the loop: the held-out split, length-grouped batches, padding.
+
+Batches are a pure function of (seed, epoch): shuffled, then sorted by length
+inside windows of 32 batches so a batch pads little.  That makes the data
+position of a run two integers (epoch, batches consumed), which is all that
+exact resume needs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+
+import torch
+
+from draftsmith.heads.target import Target, TargetIdentity
+
+log = logging.getLogger(__name__)
+
+WINDOW = 32
+
+
+def feature_layers(recipe, target: Target) -> tuple[int, ...]:
+    """The target layers the recipe's drafter reads (its loss included)."""
+    from draftsmith.heads.drafter import registry
+
+    return tuple(registry()[recipe.method](recipe.drafter, target).required_layers)
+
+
+def make_recipe_data(recipe, target: Target, progress: bool = True):
+    """The recipe's data step: self-distillation that also fills the feature cache its drafter will read."""
+    from draftsmith.data.distill import make_data
+
+    layers = feature_layers(recipe, target) if recipe.train.features == "cache" else ()
+    return make_data(target, recipe.data, recipe.out / "data", recipe.seed, progress=progress, capture_layers=layers)
+
+
+def load_training_data(recipe, target: Target, layers=()) -> tuple[dict, dict, "FeatureSource | None"]:
+    """output_dir/data (made first if missing), split into train and held-out columns, and the
+    feature cache for `layers` when train.features is 'cache' (missing or broken shards are built)."""
+    import datasets
+
+    from draftsmith.data import features as feature_cache
+    from draftsmith.data.distill import shard_paths
+
+    data_dir = recipe.out / "data"
+    use_cache = recipe.train.features == "cache" and bool(layers)
+    if not (data_dir / "tokenized").is_dir():
+        log.info("no data in %s yet: making it first", data_dir)
+        make_recipe_data(recipe, target)
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    TargetIdentity.from_dict(manifest["target"]).require_same(target.identity, f"the data in {data_dir}")
+    source = None
+    if use_cache:
+        cache = feature_cache.cache_dir(data_dir, layers)
+        feature_cache.build_missing(target, shard_paths(data_dir), layers, cache)
+        source = FeatureSource(cache, layers, target.identity.weights_sha256)
+    table = datasets.load_from_disk(str(data_dir / "tokenized"))
+    columns = {k: table[k] for k in ("id", "input_ids", "loss_mask", "shard", "row")}
+    heldout = [_is_heldout(i, recipe.seed, recipe.train.heldout_fraction) for i in columns["id"]]
+    if len(columns["id"]) > 1 and all(heldout):
+        heldout[0] = False
+    train = {k: [v for v, h in zip(vals, heldout) if not h] for k, vals in columns.items()}
+    held = {k: [v for v, h in zip(vals, heldout) if h] for k, vals in columns.items()}
+    if not train["id"]:
+        raise ValueError(f"no training conversations in {data_dir}: make more data (data.max_conversations)")
+    return train, held, source
+
+
+class FeatureSource:
+    """Cached hidden states by (shard, row), memory-mapped; every file is checked once when opened."""
+
+    def __init__(self, directory, layers, target_hash: str):
+        from draftsmith.data.features import ShardReader
+
+        self.directory = directory
+        self.layers = sorted(set(layers))
+        self.readers = {}
+        for path in sorted(directory.glob("shard-*.safetensors")):
+            self.readers[path.stem] = ShardReader(path, self.layers, target_hash, verify=True)
+
+    def batch(self, rows: list[dict], longest: int) -> dict[int, torch.Tensor]:
+        """{layer: [b, s, d]} for these rows, zero-padded to `longest`."""
+        first = None
+        parts = []
+        for r in rows:
+            feats = self.readers[r["shard"]].record(r["row"])[: len(r["input_ids"])]        # [tokens, L, d]
+            parts.append(feats)
+            first = feats if first is None else first
+        out = first.new_zeros(len(rows), longest, len(self.layers), first.shape[-1])
+        for i, feats in enumerate(parts):
+            out[i, : feats.shape[0]] = feats
+        return {layer: out[:, :, j] for j, layer in enumerate(self.layers)}
+
+
+def _is_heldout(conv_id: str, seed: int, fraction: float) -> bool:
+    digest = hashlib.sha256(f"{seed}:{conv_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2 ** 64 < fraction
+
+
+class Batches:
+    """Micro-batches of row indices for each epoch."""
+
+    def __init__(self, rows: dict, batch_size: int, seed: int, features: "FeatureSource | None" = None):
+        self.rows = rows
+        self.features = features
+        self.lengths = [len(x) for x in rows["input_ids"]]
+        self.batch_size = batch_size
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return -(-len(self.lengths) // self.batch_size)
+
+    def _rows(self, indices: list[int]) -> list[dict]:
+        return [{key: self.rows[key][i] for key in ("input_ids", "loss_mask", "shard", "row")} for i in indices]
+
+    def epoch(self, epoch: int) -> "EpochSampler":
+        order = list(range(len(self.lengths)))
+        random.Random(self.seed * 1009 + epoch).shuffle(order)
+        window = WINDOW * self.batch_size
+        groups = []
+        for start in range(0, len(order), window):
+            chunk = sorted(order[start:start + window], key=lambda i: self.lengths[i])
+            groups.extend(chunk[i:i + self.batch_size] for i in range(0, len(chunk), self.batch_size))
+        random.Random(self.seed * 1013 + epoch).shuffle(groups)
+        return EpochSampler(groups, self)
+
+    def in_order(self) -> list[dict]:
+        """Collated batches in data order (held-out evaluation)."""
+        return [self.collate(self._rows(list(range(i, min(i + self.batch_size, len(self.lengths))))))
+                for i in range(0, len(self.lengths), self.batch_size)]
+
+    def collate(self, rows: list[dict]) -> dict:
+        batch = collate(rows)
+        if self.features is not None:
+            batch["features"] = self.features.batch(rows, batch["input_ids"].shape[1])
+        return batch
+
+
+class EpochSampler(torch.utils.data.Dataset):
+    """One epoch: a map-style dataset of rows and, in `loader()`, a batch sampler over it (accelerate shards it)."""
+
+    def __init__(self, groups: list[list[int]], batches: Batches):
+        self.groups = groups
+        self.batches = batches
+        self.batch_size = batches.batch_size
+        self.drop_last = False
+
+    def __getitem__(self, index: int) -> dict:
+        return self.batches._rows([index])[0]
+
+    def __len__(self) -> int:
+        return len(self.batches.lengths)
+
+    def loader(self):
+        return torch.utils.data.DataLoader(self, batch_sampler=_GroupSampler(self.groups, self.batch_size),
+                                           collate_fn=self.batches.collate)
+
+
+class _GroupSampler(torch.utils.data.Sampler):
+    def __init__(self, groups, batch_size):
+        self.groups = groups
+        self.batch_size = batch_size
+        self.drop_last = False
+
+    def __iter__(self):
+        return iter(self.groups)
+
+    def __len__(self):
+        return len(self.groups)
+
+
+def collate(rows: list[dict]) -> dict:
+    """Right-pad to the longest row: input_ids, attention_mask, loss_mask, all [b, s]."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    input_ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    attention = torch.zeros(len(rows), longest, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), longest, dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        input_ids[i, :n] = torch.as_tensor(r["input_ids"])
+        attention[i, :n] = 1
+        loss_mask[i, :n] = torch.as_tensor(r["loss_mask"])
+    return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}

@@ -1,0 +1,117 @@
+"""Training checkpoints: the drafter checkpoint plus `state/` for exact resume.
+
+A save writes a complete directory next to the old one, then swaps the two,
+so a kill at any moment leaves one whole checkpoint (`checkpoint/`, or
+`checkpoint.old/` if the kill fell inside the swap).  Nothing is unpickled
+on resume: weights are safetensors; optimizer and RNG states are read with
+`torch.load(weights_only=True)`; the rest is JSON.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.heads.drafter import WEIGHTS_FILE, read_config, save_drafter
+from draftsmith.heads.target import TargetIdentity
+from .settings import Recipe, save_recipe
+
+# Recipe keys that may change between a save and a resume.
+RESUME_FREE = {"resume", "output_dir", "eval", "train.max_steps", "train.max_minutes", "train.epochs",
+               "train.report_to", "train.wandb_project", "train.log_every", "train.save_every", "train.eval_every",
+               "data.max_minutes"}
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimizer, scheduler, progress: dict) -> None:
+    accelerator.wait_for_everyone()
+    drafter = accelerator.unwrap_model(model)
+    tmp = directory.with_name(directory.name + ".tmp")
+    rank_state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "state").mkdir(parents=True)
+        metadata = {k: v for k, v in drafter.metadata.items() if k not in ("kind", "target", "drafter")}
+        save_drafter(drafter, tmp, extra=metadata)
+        save_recipe(recipe, tmp / "recipe.yaml")
+        torch.save(optimizer.state_dict(), tmp / "state" / "optimizer.pt")
+        (tmp / "state" / "scheduler.json").write_text(json.dumps(_scheduler_state(scheduler)))
+        (tmp / "state" / "progress.json").write_text(json.dumps(progress))
+    accelerator.wait_for_everyone()
+    torch.save({"torch": rank_state["torch"], "python": _python_state(rank_state["python"])},
+               tmp / "state" / f"rng-{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _swap_in(tmp, directory)
+    accelerator.wait_for_everyone()
+
+
+def _scheduler_state(scheduler) -> dict:
+    return scheduler.state_dict()    # plain numbers; LambdaLR stores None for its (function) lambdas
+
+
+def _python_state(state) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _compare(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    diffs = []
+    for key in sorted(set(saved) | set(current)):
+        name = f"{prefix}{key}"
+        if name in RESUME_FREE or prefix.rstrip(".") in RESUME_FREE:
+            continue
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs.extend(_compare(a, b, f"{name}."))
+        elif a != b:
+            diffs.append(f"{name}: saved {a!r}, now {b!r}")
+    return diffs
+
+
+def find_checkpoint(directory: Path) -> Path | None:
+    for candidate in (directory, directory.with_name(directory.name + ".old")):
+        if (candidate / "state" / "progress.json").is_file():
+            return candidate
+    return None
+
+
+def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, scheduler) -> dict:
+    """Restore weights, optimizer, scheduler, RNG and data position; refuse a checkpoint of another run."""
+    import yaml
+
+    found = find_checkpoint(directory)
+    if found is None:
+        raise FileNotFoundError(f"resume=true but {directory} holds no resumable checkpoint (no state/); "
+                                "start without resume=true")
+    saved = yaml.safe_load((found / "recipe.yaml").read_text())
+    current = json.loads(json.dumps(recipe.to_dict()))
+    diffs = _compare(json.loads(json.dumps(saved)), current)
+    if diffs:
+        raise ValueError(f"cannot resume from {found}: it was trained with a different recipe ("
+                         + "; ".join(diffs) + "). Use the same settings, or another output_dir")
+    drafter = accelerator.unwrap_model(model)
+    TargetIdentity.from_dict(read_config(found)["target"]).require_same(drafter.target_identity, f"checkpoint {found}")
+    drafter.load_state_dict(load_file(str(found / WEIGHTS_FILE)), strict=True)
+    drafter.metadata.update({k: v for k, v in read_config(found).items() if k not in ("kind", "target", "drafter")})
+    optimizer.load_state_dict(torch.load(found / "state" / "optimizer.pt", weights_only=True))
+    scheduler.load_state_dict(json.loads((found / "state" / "scheduler.json").read_text()))
+    rng_file = found / "state" / f"rng-{accelerator.process_index}.pt"
+    if rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        version, internal, gauss = rng["python"]
+        random.setstate((version, tuple(internal), gauss))
+    return json.loads((found / "state" / "progress.json").read_text())

@@ -1,0 +1,301 @@
+"""The one training loop, shared by every drafter, written for `accelerate`.
+
+setup -> fit -> validate, as plain functions.  The frozen target computes the
+features the drafter asks for (`required_layers`); the drafter's
+`loss(batch) -> StepOutput` is all a method contributes.  The same code runs
+in one process or under `accelerate launch` (DDP, FSDP, DeepSpeed): only the
+drafter is prepared, so the target never reaches the optimizer.
+
+Resume: `checkpoint/state/` holds the optimizer, scheduler, RNG and the data
+position; `resume=true` continues exactly where the last save stopped.  A
+non-finite loss stops the run and keeps the last good checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftsmith.eval.metrics import simulated_tau
+from draftsmith.heads.drafter import read_config, registry, save_drafter
+from draftsmith.heads.target import Target, resolve_dtype
+from .batches import Batches, feature_layers, load_training_data
+from .checkpointing import load_state, save_checkpoint
+from .settings import Recipe
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (non-finite loss, inconsistent resume)."""
+
+
+@dataclass
+class TrainReport:
+    steps: int
+    seconds: float
+    tokens: int
+    stopped_by: str                   # epochs | max_steps | max_minutes
+    heldout_agreement: list[float]    # top-1 agreement per draft position on held-out data
+    heldout_simulated_tau: float
+    checkpoint: str
+    history: list[dict] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def make_accelerator(recipe: Recipe):
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    settings = recipe.train
+    precision = settings.mixed_precision
+    if precision == "auto":
+        precision = "bf16" if resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu") == torch.bfloat16 else "no"
+    log_with = None
+    if settings.report_to == "wandb":
+        if not os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
+            log.warning("report_to=wandb without WANDB_API_KEY or WANDB_MODE: logging to W&B offline "
+                        "(sync later with `wandb sync`)")
+            os.environ["WANDB_MODE"] = "offline"
+        log_with = "wandb"
+    elif settings.report_to == "tensorboard":
+        log_with = "tensorboard"
+    return Accelerator(
+        mixed_precision=precision, gradient_accumulation_steps=settings.grad_accum, log_with=log_with,
+        project_config=ProjectConfiguration(project_dir=str(recipe.out), logging_dir=str(recipe.out / "logs")))
+
+
+def build_drafter(recipe: Recipe, target: Target, train_rows):
+    cls = registry()[recipe.method]
+    drafter = cls(recipe.drafter, target)
+    vocab_size = getattr(recipe.drafter, "draft_vocab_size", None)
+    if vocab_size:
+        from draftsmith.data.vocab import assistant_token_counts, coverage, draft_vocabulary
+
+        counts = assistant_token_counts(train_rows["input_ids"], train_rows["loss_mask"], target.vocab_size)
+        vocab = draft_vocabulary(counts, vocab_size, always=target.eos_token_ids)
+        drafter.set_draft_vocabulary(vocab)
+        drafter.metadata["draft_vocab_coverage"] = coverage(counts, vocab)
+        log.info("draft vocabulary: %d tokens cover %.1f%% of training reply tokens", vocab_size,
+                 100 * drafter.metadata["draft_vocab_coverage"])
+    return drafter
+
+
+def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> TrainReport:
+    """Train the recipe's drafter on output_dir/data (made first if missing); write output_dir/checkpoint."""
+    accelerator = make_accelerator(recipe)
+    torch.manual_seed(recipe.seed)
+    if target is None:
+        target = Target.load(recipe.target.path, recipe.target.dtype, str(accelerator.device),
+                             recipe.target.trust_remote_code)
+    layers = feature_layers(recipe, target)
+    train_rows, heldout_rows, features = load_training_data(recipe, target, layers)
+    torch.manual_seed(recipe.seed)      # the drafter's init must not depend on what ran before (data, checks)
+    drafter = build_drafter(recipe, target, train_rows).to(accelerator.device)
+    batches = Batches(train_rows, recipe.train.batch_size, recipe.seed, features)
+    heldout = Batches(heldout_rows, recipe.train.batch_size, 0, features)
+    steps_per_epoch = max(1, len(batches) // recipe.train.grad_accum)
+    total_steps = math.ceil(steps_per_epoch * recipe.train.epochs)
+    if recipe.train.max_steps:
+        total_steps = min(total_steps, recipe.train.max_steps)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=recipe.train.lr, betas=recipe.train.betas,
+                                  weight_decay=recipe.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(recipe.train.warmup_steps, total_steps))
+    model, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
+
+    progress_state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "tokens": 0, "seconds": 0.0}
+    checkpoint_dir = recipe.out / "checkpoint"
+    if recipe.resume:
+        progress_state = load_state(checkpoint_dir, recipe, accelerator, model, optimizer, scheduler)
+        log.info("resuming at step %d (epoch %d, batch %d)", progress_state["step"], progress_state["epoch"],
+                 progress_state["batch_in_epoch"])
+    if recipe.train.report_to != "none":
+        accelerator.init_trackers(recipe.train.wandb_project, config=_flat(recipe.to_dict()))
+    report = _run(recipe, accelerator, target, model, optimizer, scheduler, batches, heldout,
+                  total_steps, progress_state, checkpoint_dir, progress)
+    accelerator.end_training()
+    return report
+
+
+def _warmup_cosine(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+    return out
+
+
+def _features(target: Target, batch: dict, layers) -> dict:
+    """Cached features when the batch carries them (moved to the device), else the target computes them."""
+    if "features" in batch:
+        return {i: f.to(target.device) for i, f in batch["features"].items()}
+    return target.features(batch["input_ids"], batch["attention_mask"], layers)
+
+
+def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, heldout, total_steps,
+         state, checkpoint_dir, progress) -> TrainReport:
+    settings = recipe.train
+    drafter = accelerator.unwrap_model(model)
+    layers = drafter.required_layers
+    log_path = recipe.out / "logs" / "train.jsonl"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    history: list[dict] = []
+    window = {"correct": 0.0, "counted": 0.0, "loss": 0.0, "micro": 0, "tokens": 0, "start": time.time()}
+    run_start = time.time() - state["seconds"]
+    stopped_by = "epochs"
+    done = state["step"] >= total_steps
+    while not done:
+        loader = accelerator.prepare(batches.epoch(state["epoch"]).loader())
+        skipped = accelerator.skip_first_batches(loader, state["batch_in_epoch"]) if state["batch_in_epoch"] else loader
+        for batch in skipped:
+            model.train()
+            with accelerator.accumulate(model):
+                batch["features"] = _features(target, batch, layers)
+                with accelerator.autocast():
+                    out = model(batch)
+                if not torch.isfinite(out.loss):
+                    raise TrainingError(
+                        f"the loss became {out.loss.item()} at step {state['step']}: training stopped. The last good "
+                        f"checkpoint ({checkpoint_dir}) is kept; lower train.lr or check the data, then resume=true")
+                accelerator.backward(out.loss)
+                if accelerator.sync_gradients and settings.grad_clip > 0:
+                    window["grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), settings.grad_clip))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            state["batch_in_epoch"] += 1
+            tokens = int(batch["attention_mask"].sum())
+            state["tokens"] += tokens
+            window["tokens"] += tokens
+            window["correct"] = window["correct"] + out.correct.detach()
+            window["counted"] = window["counted"] + out.counted.detach()
+            window["loss"] += out.loss.item()
+            window["micro"] += 1
+            if not accelerator.sync_gradients:
+                continue
+            state["step"] += 1
+            state["seconds"] = time.time() - run_start
+            if state["step"] % settings.log_every == 0 or state["step"] == total_steps:
+                history.append(_log_window(accelerator, window, state, scheduler, log_path, progress))
+            if settings.eval_every and state["step"] % settings.eval_every == 0:
+                history.append(validate(recipe, accelerator, target, model, heldout, state, log_path))
+            stop = _stop_reason(settings, state, total_steps)
+            if state["step"] % settings.save_every == 0 or stop:
+                save_checkpoint(checkpoint_dir, recipe, accelerator, model, optimizer, scheduler, state)
+            if stop:
+                stopped_by, done = stop, True
+                break
+        else:
+            state["epoch"] += 1
+            state["batch_in_epoch"] = 0
+            if state["epoch"] >= math.ceil(settings.epochs):
+                save_checkpoint(checkpoint_dir, recipe, accelerator, model, optimizer, scheduler, state)
+                done = True
+    final = validate(recipe, accelerator, target, model, heldout, state, log_path, calibrate=True)
+    history.append(final)
+    if accelerator.is_main_process:
+        extra = {"heldout": {k: v for k, v in final.items() if k.startswith("heldout")}}
+        save_drafter(drafter, checkpoint_dir, extra=_metadata_extra(drafter, extra))
+    return TrainReport(steps=state["step"], seconds=state["seconds"], tokens=state["tokens"], stopped_by=stopped_by,
+                       heldout_agreement=final["heldout/agreement"], heldout_simulated_tau=final["heldout/simulated_tau"],
+                       checkpoint=str(checkpoint_dir), history=history)
+
+
+def _metadata_extra(drafter, extra: dict) -> dict:
+    return {**{k: v for k, v in drafter.metadata.items() if k not in ("kind", "target", "drafter")}, **extra}
+
+
+def _stop_reason(settings, state, total_steps) -> str | None:
+    if state["step"] >= total_steps:
+        return "max_steps" if settings.max_steps and state["step"] >= settings.max_steps else "epochs"
+    if settings.max_minutes is not None and state["seconds"] >= settings.max_minutes * 60:
+        return "max_minutes"
+    return None
+
+
+def _log_window(accelerator, window, state, scheduler, log_path, progress) -> dict:
+    correct = accelerator.reduce(torch.as_tensor(window["correct"], dtype=torch.float32), reduction="sum")
+    counted = accelerator.reduce(torch.as_tensor(window["counted"], dtype=torch.float32), reduction="sum")
+    agreement = (correct / counted.clamp(min=1)).tolist()
+    elapsed = time.time() - window["start"]
+    tokens = accelerator.reduce(torch.tensor(float(window["tokens"])), reduction="sum").item()
+    metrics = {
+        "step": state["step"], "epoch": state["epoch"],
+        "train/loss": window["loss"] / max(1, window["micro"]),
+        "train/simulated_tau": simulated_tau(agreement),
+        "train/lr": scheduler.get_last_lr()[0],
+        "train/tokens_per_second": tokens / elapsed if elapsed > 0 else 0.0,
+    }
+    if "grad_norm" in window:
+        metrics["train/grad_norm"] = window["grad_norm"]
+    for j, a in enumerate(agreement):
+        metrics[f"train/agreement_{j}"] = a
+    accelerator.log(metrics, step=state["step"])
+    if accelerator.is_main_process:
+        with open(log_path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if progress:
+            heads = " ".join(f"{a:.2f}" for a in agreement)
+            print(f"step {state['step']:>5}  loss {metrics['train/loss']:.3f}  agreement [{heads}]  "
+                  f"sim-tau {metrics['train/simulated_tau']:.2f}  lr {metrics['train/lr']:.2e}  "
+                  f"{metrics['train/tokens_per_second']:.0f} tok/s", flush=True)
+    window.update(correct=0.0, counted=0.0, loss=0.0, micro=0, tokens=0, start=time.time())
+    window.pop("grad_norm", None)
+    return metrics
+
+
+@torch.no_grad()
+def validate(recipe, accelerator, target, model, heldout, state, log_path, calibrate: bool = False) -> dict:
+    """Held-out top-1 agreement per draft position (and, at the end, top-k rates for tree building)."""
+    drafter = accelerator.unwrap_model(model)
+    model.eval()
+    correct = counted = None
+    hits = hit_counted = None
+    for batch in heldout.in_order()[accelerator.process_index::accelerator.num_processes]:
+        batch = {k: (v.to(accelerator.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        batch["features"] = _features(target, batch, drafter.required_layers)
+        with accelerator.autocast():
+            out = drafter.loss(batch)
+            if calibrate and hasattr(drafter, "topk_hits"):
+                h, c = drafter.topk_hits(batch)
+                hits = h if hits is None else hits + h
+                hit_counted = c if hit_counted is None else hit_counted + c
+        correct = out.correct if correct is None else correct + out.correct
+        counted = out.counted if counted is None else counted + out.counted
+    empty = torch.zeros(drafter.draft_positions, device=accelerator.device)
+    correct = accelerator.reduce(correct if correct is not None else empty, reduction="sum")
+    counted = accelerator.reduce(counted if counted is not None else empty.clone(), reduction="sum")
+    agreement = (correct / counted.clamp(min=1)).tolist()
+    metrics = {"step": state["step"], "heldout/agreement": agreement, "heldout/simulated_tau": simulated_tau(agreement),
+               "heldout/positions": int(counted[0].item()) if counted.numel() else 0}
+    if hits is not None:
+        hits = accelerator.reduce(hits.to(accelerator.device), reduction="sum")
+        hit_counted = accelerator.reduce(hit_counted.to(accelerator.device), reduction="sum")
+        drafter.metadata["topk_accuracy"] = (hits / hit_counted.clamp(min=1)[:, None]).tolist()
+    accelerator.log({"heldout/simulated_tau": metrics["heldout/simulated_tau"],
+                     **{f"heldout/agreement_{j}": a for j, a in enumerate(agreement)}}, step=state["step"])
+    if accelerator.is_main_process:
+        with open(log_path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+    return metrics

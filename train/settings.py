@@ -1,0 +1,210 @@
+"""Recipes: typed settings read from YAML, with key=value overrides.
+
+A recipe has the sections target, data, drafter (the method's own config
+dataclass), train and eval, plus a few top-level keys.  Every section is a
+dataclass checked on construction; an unknown key anywhere is an error that
+names it and lists the valid keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from draftsmith.data.distill import DataSettings
+from draftsmith.heads.drafter import config_from_dict, registry
+
+
+class RecipeError(ValueError):
+    """A recipe that does not describe a valid run."""
+
+
+@dataclass
+class TargetSettings:
+    path: str = "smollm2-135m"
+    """A local HF directory, a hub id in the local cache, a .gguf file, or 'smollm2-135m'."""
+    dtype: str = "auto"
+    """Target weights for data generation and features: auto (bf16 where supported), bfloat16 or float32."""
+    trust_remote_code: bool = False
+    """Run the model repository's own code (only if you trust it)."""
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise RecipeError(f"target.dtype must be auto, bfloat16 or float32, got '{self.dtype}'")
+
+
+@dataclass
+class TrainSettings:
+    epochs: float = 1.0
+    """Passes over the training conversations (fractions allowed)."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (null: epochs decide)."""
+    max_minutes: float | None = None
+    """Stop after this many minutes; the checkpoint at the cap is a normal checkpoint."""
+    batch_size: int = 8
+    """Sequences per micro-batch (per process)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 20
+    """Linear warmup steps, then cosine decay to zero."""
+    grad_clip: float = 1.0
+    """Gradient norm clip (0 disables)."""
+    mixed_precision: str = "auto"
+    """auto (bf16 where supported), bf16 or no."""
+    heldout_fraction: float = 0.05
+    """Conversations held out for evaluation and tree calibration."""
+    eval_every: int = 0
+    """Held-out evaluation every N steps (0: only at the end)."""
+    save_every: int = 100
+    """Checkpoint (with resume state) every N steps, and always at the end."""
+    log_every: int = 10
+    """Log training metrics every N steps."""
+    features: str = "cache"
+    """cache: target hidden states stored once (captured while generating the data); online: computed every step."""
+    report_to: str = "none"
+    """none, wandb or tensorboard (through accelerate's trackers)."""
+    wandb_project: str = "draftsmith"
+    """W&B project name."""
+
+    def __post_init__(self):
+        self.betas = tuple(self.betas)
+        if self.mixed_precision not in ("auto", "bf16", "no"):
+            raise RecipeError(f"train.mixed_precision must be auto, bf16 or no, got '{self.mixed_precision}'")
+        if self.features not in ("cache", "online"):
+            raise RecipeError(f"train.features must be cache or online, got '{self.features}'")
+        if self.report_to not in ("none", "wandb", "tensorboard"):
+            raise RecipeError(f"train.report_to must be none, wandb or tensorboard, got '{self.report_to}'")
+        if not 0 <= self.heldout_fraction < 1:
+            raise RecipeError(f"train.heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+        for name in ("batch_size", "grad_accum", "save_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise RecipeError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class EvalSettings:
+    prompts: str = "mt-bench"
+    """mt-bench, humaneval, or a JSONL file of chats/prompts."""
+    limit: int = 20
+    """Prompts evaluated."""
+    max_new_tokens: int = 128
+    """Tokens generated per prompt."""
+    proposal: str = "default"
+    """default (the drafter's), chain, or tree."""
+    chain_length: int | None = None
+    """Draft tokens per step for proposal=chain (default: the drafter's depth)."""
+    tree_size: int | None = None
+    """Nodes of the static tree for proposal=tree (default: tuned to the measured forward cost)."""
+    temperature: float = 0.0
+    """0 = greedy (exactness checked); > 0 samples losslessly."""
+    top_p: float = 1.0
+    """Nucleus mass when sampling."""
+    dtype: str = "auto"
+    """Speed runs in this dtype: auto (bf16 where supported), bfloat16, float32."""
+    baselines: tuple[str, ...] = ("plain", "generate")
+    """Timed side by side: plain (draftsmith's engine), generate (transformers), prompt-lookup (transformers)."""
+
+    def __post_init__(self):
+        self.baselines = tuple(self.baselines)
+        unknown = set(self.baselines) - {"plain", "generate", "prompt-lookup"}
+        if unknown or "plain" not in self.baselines:
+            raise RecipeError(f"eval.baselines must include 'plain' and only plain, generate, prompt-lookup; got "
+                              f"{list(self.baselines)}")
+        if self.proposal not in ("default", "chain", "tree"):
+            raise RecipeError(f"eval.proposal must be default, chain or tree, got '{self.proposal}'")
+
+
+@dataclass
+class Recipe:
+    method: str
+    """Drafter kind: medusa, eagle or eagle3."""
+    output_dir: str = "runs/default"
+    """Where the run writes data/, checkpoint/, logs and eval.json."""
+    seed: int = 0
+    """Seeds data order, sampling, initialisation and batching."""
+    resume: bool = False
+    """Continue training from output_dir/checkpoint's saved state."""
+    target: TargetSettings = field(default_factory=TargetSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    drafter: object = None
+    train: TrainSettings = field(default_factory=TrainSettings)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+
+    @property
+    def out(self) -> Path:
+        return Path(self.output_dir)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        for section in ("train", "eval"):
+            for key, value in d[section].items():
+                if isinstance(value, tuple):
+                    d[section][key] = list(value)
+        return d
+
+
+SECTIONS = {"target": TargetSettings, "data": DataSettings, "train": TrainSettings, "eval": EvalSettings}
+
+
+def _section(cls, values, name: str):
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise RecipeError(f"recipe section '{name}' must be a mapping, got {type(values).__name__}")
+    try:
+        return config_from_dict(cls, values, f"recipe section '{name}'")
+    except (TypeError, ValueError) as err:
+        raise RecipeError(str(err)) from None
+
+
+def recipe_from_dict(raw: dict) -> Recipe:
+    if not isinstance(raw, dict):
+        raise RecipeError("a recipe must be a YAML mapping")
+    top = {f.name for f in dataclasses.fields(Recipe)}
+    unknown = sorted(set(raw) - top)
+    if unknown:
+        raise RecipeError(f"unknown recipe key(s) {unknown}; valid keys: {sorted(top)}")
+    kinds = registry()
+    method = raw.get("method")
+    if method not in kinds:
+        raise RecipeError(f"recipe 'method' must be one of {sorted(kinds)}, got {method!r}")
+    values = {k: v for k, v in raw.items() if k not in SECTIONS and k != "drafter"}
+    sections = {name: _section(cls, raw.get(name), name) for name, cls in SECTIONS.items()}
+    drafter = _section(kinds[method].config_class, raw.get("drafter"), "drafter")
+    return Recipe(**values, **sections, drafter=drafter)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """key=value and section.key=value, values parsed as YAML (numbers, true/false, null, lists)."""
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override '{item}' must look like key=value or section.key=value")
+        key, value = item.split("=", 1)
+        node = raw
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"override '{item}': '{part}' is not a section")
+        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+    return raw
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe '{path}' does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    return recipe_from_dict(apply_overrides(raw, list(overrides)))
+
+
+def save_recipe(recipe: Recipe, path: Path) -> None:
+    path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
