@@ -59,6 +59,7 @@ class PromptResult:
     accepted: list[int]
     seconds: dict                      # mode -> wall seconds
     first_token_seconds: dict          # mode -> seconds
+    mode_tokens: dict                  # mode -> tokens generated in that mode
     bf16_identical: bool | None = None
     common_prefix: float = 1.0         # fraction of the plain output the speculative output reproduces before diverging
 
@@ -164,21 +165,41 @@ def _time_generate(target: Target, prompt: list[int], max_new_tokens: int, looku
     return time.perf_counter() - t, out[0, len(prompt):].tolist()
 
 
-def run_modes(target, drafter, prompt, options, generator_seed: int) -> tuple[dict, dict, list[int], list[int], list[int]]:
-    """One prompt, every mode, interleaved.  Returns seconds, first-token seconds, plain/spec tokens, accepted."""
-    seconds, first = {}, {}
+def run_modes(target, drafter, prompt, options, generator_seed: int):
+    """One prompt, every mode, interleaved.  Returns a Timed record (seconds, tokens, first-token seconds per mode)."""
+    seconds, first, counts = {}, {}, {}
     gen = torch.Generator(device=target.device).manual_seed(generator_seed)
     plain = decode(target, prompt, options.max_new_tokens, None, options.temperature, options.top_p, generator=gen)
-    seconds["plain"], first["plain"] = plain.seconds, plain.first_token_seconds
+    seconds["plain"], first["plain"], counts["plain"] = plain.seconds, plain.first_token_seconds, len(plain.tokens)
     gen = torch.Generator(device=target.device).manual_seed(generator_seed + 1)
     spec = decode(target, prompt, options.max_new_tokens, drafter, options.temperature, options.top_p,
                   options.rule, generator=gen)
     seconds["speculative"], first["speculative"] = spec.seconds, spec.first_token_seconds
+    counts["speculative"] = len(spec.tokens)
     if options.temperature <= 0:
         for mode, lookup in (("generate", False), ("prompt-lookup", True)):
             if mode in options.baselines:
-                seconds[mode], _ = _time_generate(target, prompt, options.max_new_tokens, lookup)
-    return seconds, first, plain.tokens, spec.tokens, spec.accepted
+                seconds[mode], produced = _time_generate(target, prompt, options.max_new_tokens, lookup)
+                counts[mode] = _until_stop(produced, target.eos_token_ids)
+    return Timed(seconds, first, counts, plain.tokens, spec.tokens, spec.accepted)
+
+
+@dataclass
+class Timed:
+    seconds: dict
+    first_token_seconds: dict
+    tokens: dict                      # mode -> tokens that mode generated
+    plain_tokens: list[int]
+    speculative_tokens: list[int]
+    accepted: list[int]
+
+
+def _until_stop(tokens: list[int], stops: list[int]) -> int:
+    """Tokens generate produced, its stop token included, padding after it not."""
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return i + 1
+    return len(tokens)
 
 
 def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOptions, count: int):
@@ -209,15 +230,15 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
     run_modes(target, drafter, prompts[0][1][:32], EvalOptions(**{**asdict(options), "max_new_tokens": 8}), 0)  # warm-up
     results = []
     for index, (prompt_id, prompt) in enumerate(prompts):
-        seconds, first, plain, spec, accepted = run_modes(target, drafter, prompt, options, options.seed + 2 * index)
+        timed = run_modes(target, drafter, prompt, options, options.seed + 2 * index)
+        plain, spec = timed.plain_tokens, timed.speculative_tokens
         identical = plain == spec if options.temperature <= 0 else None
         common = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
-        results.append(PromptResult(prompt_id, len(prompt), len(spec), accepted, seconds, first, identical,
-                                    common / max(1, len(plain))))
+        results.append(PromptResult(prompt_id, len(prompt), len(spec), timed.accepted, timed.seconds,
+                                    timed.first_token_seconds, timed.tokens, identical, common / max(1, len(plain))))
         if progress:
-            line = "  ".join(f"{m} {s:.2f}s" for m, s in seconds.items())
-            print(f"[{index + 1}/{len(prompts)}] {prompt_id}: {len(spec)} tokens, tau {results[-1].tau:.2f}  {line}",
-                  flush=True)
+            line = "  ".join(f"{m} {timed.tokens[m]} tok {s:.2f}s" for m, s in timed.seconds.items())
+            print(f"[{index + 1}/{len(prompts)}] {prompt_id}: tau {results[-1].tau:.2f}  {line}", flush=True)
     exact_count = len(prompts) if dtype == torch.float32 else min(options.exact_prompts, len(prompts))
     if dtype == torch.float32 and options.temperature <= 0:
         exact = all(r.bf16_identical for r in results)
@@ -235,7 +256,7 @@ def summarize(checkpoint, config, target_path, options, description, dtype, resu
     per_position = metrics.per_position_acceptance(accepted, max(depth, 1))
     modes = results[0].seconds.keys()
     totals = {m: sum(r.seconds[m] for r in results) for m in modes}
-    tokens = {m: sum(r.tokens for r in results) for m in modes}
+    tokens = {m: sum(r.mode_tokens[m] for r in results) for m in modes}
     rate = {m: tokens[m] / totals[m] for m in modes}
 
     def ratio(mode):

@@ -74,7 +74,8 @@ def decode(target: Target, prompt: list[int], max_new_tokens: int, drafter=None,
                                    layer_ids=layers, logits="all")
         verdict = accept(tree, out.logits[0], temperature, top_p, rule, generator)
         kept_rows = [0] + [c + 1 for c in verdict.path]                        # root + accepted nodes
-        cache.keep(start, torch.tensor([start + r for r in kept_rows], device=device))
+        if tree.size:
+            cache.keep(start, torch.tensor([start + r for r in kept_rows], device=device))
         new_tokens = [int(tree.tokens[c]) for c in verdict.path] + [verdict.bonus]
         result.accepted.append(len(verdict.path))
         for token in new_tokens:

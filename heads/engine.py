@@ -51,13 +51,17 @@ class EngineCache:
         self._layers_written = 0
 
     # -- called by the Target around one forward ---------------------------------
-    def begin_block(self, positions: torch.Tensor, block_mask: torch.Tensor | None, valid: torch.Tensor | None) -> None:
+    def begin_block(self, positions: torch.Tensor, block_mask: torch.Tensor | None, valid: torch.Tensor | None,
+                    prefix_mask: torch.Tensor | None = None) -> None:
         """Prepare the mask for a forward over n new tokens.
 
         positions: [b, n] position ids of the new tokens.
         block_mask: [b, n, n] bool, which new tokens each new token sees
-            (None: causal).  Every new token always sees the valid cached prefix.
+            (None: causal).
         valid: [b, n] bool, False for padding among the new tokens (None: all valid).
+        prefix_mask: [b, n, length] bool, which cached slots each new token
+            sees (None: every valid one).  A drafter growing a tree uses it so a
+            node sees its ancestors and not its cousins.
         """
         b, n = positions.shape
         if self.length + n > self.capacity:
@@ -71,6 +75,8 @@ class EngineCache:
         if block_mask is None:
             block_mask = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril().expand(b, n, n)
         prefix = self.valid[:, None, :start].expand(b, n, start)                       # [b, n, length]
+        if prefix_mask is not None:
+            prefix = prefix & prefix_mask
         new_keys = block_mask & self.valid[:, None, start:end]                          # [b, n, n]
         mask = torch.cat([prefix, new_keys], dim=2)                                     # [b, n, length + n]
         # A padding query would see nothing and give NaN; let it see itself.
@@ -89,6 +95,21 @@ class EngineCache:
         self.length += self._block
         self._mask = None
         self._block = 0
+
+    def ensure_capacity(self, capacity: int) -> None:
+        """Grow (by copying) so that `capacity` slots fit."""
+        if capacity <= self.capacity:
+            return
+        capacity = max(capacity, 2 * self.capacity)
+        extra = capacity - self.capacity
+        for store in (self.keys, self.values):
+            for layer, tensor in enumerate(store):
+                if tensor is not None:
+                    b, h, _, d = tensor.shape
+                    store[layer] = torch.cat([tensor, tensor.new_zeros(b, h, extra, d)], dim=2)
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(self.batch_size, extra)], dim=1)
+        self.positions = torch.cat([self.positions, self.positions.new_zeros(self.batch_size, extra)], dim=1)
+        self.capacity = capacity
 
     # -- called by each attention layer -----------------------------------------
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,30 +169,25 @@ class EngineCache:
         self.batch_size = int(rows.numel())
 
 
-def engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                     softcap=None, sliding_window=None, **kwargs):
-    """Grouped-query attention over the engine cache.
+def cached_attention(cache: EngineCache, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     scaling: float | None = None, softcap: float | None = None,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """Append key/value to the cache and attend over it.
 
-    query: [b, hq, n, d]; key, value: [b, hk, n, d] (RoPE applied by the model).
-    Returns [b, n, hq, d] as transformers' attention functions do.
-    Without an engine cache in kwargs, it is plain SDPA.
+    query: [b, hq, n, d]; key, value: [b, hk, n, d] (RoPE applied).  Returns [b, n, hq, d].
     """
-    cache: EngineCache | None = kwargs.pop(CACHE_KWARG, None)
-    if cache is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, softcap=softcap, sliding_window=sliding_window, **kwargs)
-    keys, values = cache.append(module.layer_idx, key, value)            # [b, hk, t, d]
+    keys, values = cache.append(layer, key, value)                        # [b, hk, t, d]
     mask = cache.mask_for(sliding_window)                                 # [b, 1, n, t]
     b, hq, n, d = query.shape
     hk, t = keys.shape[1], keys.shape[2]
     scaling = d ** -0.5 if scaling is None else scaling
-    if n > 1 and not softcap:
-        # Blocks (prefill, trees): SDPA's fused kernel, no [n, t] float scores per head.
+    if (n > 1 or b == 1) and not softcap:
+        # Blocks (prefill, trees) and batch 1: SDPA's fused kernel (measured faster there).
         out = torch.nn.functional.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=hq != hk)
-        return out.transpose(1, 2), None
+        return out.transpose(1, 2)
     groups = hq // hk
-    # One new token per row (decoding): query heads that share a kv head are
+    # Batched decoding, one new token per row: query heads that share a kv head are
     # stacked along the query axis, one matmul per kv head, no repeat_kv copy.
     grouped_query = query.reshape(b, hk, groups * n, d)                   # [b, hk, g*n, d]
     scores = torch.matmul(grouped_query, keys.transpose(-1, -2)).float() * scaling   # [b, hk, g*n, t]
@@ -180,7 +196,17 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
     scores = scores.view(b, hk, groups, n, t).masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype).view(b, hk, groups * n, t)
     out = torch.matmul(probs, values).view(b, hk, groups, n, d).reshape(b, hq, n, d)
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2)
+
+
+def engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     softcap=None, sliding_window=None, **kwargs):
+    """transformers attention function: over the engine cache when one is passed, else plain SDPA."""
+    cache: EngineCache | None = kwargs.pop(CACHE_KWARG, None)
+    if cache is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, softcap=softcap, sliding_window=sliding_window, **kwargs)
+    return cached_attention(cache, module.layer_idx, query, key, value, scaling, softcap, sliding_window), None
 
 
 AttentionInterface.register(ENGINE_ATTENTION, engine_attention)

@@ -25,6 +25,7 @@ class DraftTree:
 
     def __post_init__(self):
         self.depths = depths_of(self.parents)
+        self._mask = None
 
     @property
     def size(self) -> int:
@@ -32,7 +33,9 @@ class DraftTree:
 
     def attention_mask(self) -> torch.Tensor:
         """[n+1, n+1] bool over (root, nodes): row i sees itself and its ancestors."""
-        return ancestor_mask(self.parents)
+        if self._mask is None:
+            self._mask = ancestor_mask(self.parents)
+        return self._mask
 
     def children(self, node: int) -> list[int]:
         """Children of node (-1 = root), in index order."""

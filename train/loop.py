@@ -110,13 +110,17 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=recipe.train.lr, betas=recipe.train.betas,
                                   weight_decay=recipe.train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(recipe.train.warmup_steps, total_steps))
+    clock = {"start": time.time(), "limit": recipe.train.max_minutes * 60 if recipe.train.max_minutes else None,
+             "offset": 0.0}
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _warmup_cosine(recipe.train.warmup_steps, total_steps, clock))
     model, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
 
     progress_state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "tokens": 0, "seconds": 0.0}
     checkpoint_dir = recipe.out / "checkpoint"
     if recipe.resume:
         progress_state = load_state(checkpoint_dir, recipe, accelerator, model, optimizer, scheduler)
+        clock["offset"] = progress_state["seconds"]
         log.info("resuming at step %d (epoch %d, batch %d)", progress_state["step"], progress_state["epoch"],
                  progress_state["batch_in_epoch"])
     if recipe.train.report_to != "none":
@@ -127,11 +131,15 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
     return report
 
 
-def _warmup_cosine(warmup: int, total: int):
+def _warmup_cosine(warmup: int, total: int, clock: dict):
+    """Linear warmup, then cosine to zero.  Under train.max_minutes, progress is the larger of the step
+    fraction and the time fraction, so a time-capped run still anneals (its LR then depends on speed)."""
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
         progress = (step - warmup) / max(1, total - warmup)
+        if clock["limit"]:
+            progress = max(progress, (clock["offset"] + time.time() - clock["start"]) / clock["limit"])
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return factor
 

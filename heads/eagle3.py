@@ -1,0 +1,263 @@
+"""EAGLE-3 (arXiv 2503.01840): fused target features, training-time test, a draft vocabulary.
+
+Input at position t: fc(cat(g2_t, gm_t, gh_t)), three target layers (DESIGN.md
+ids; default 2, N//2, N-3), 3T -> H without bias, and the embedding of token
+t+1 (the target's, frozen).  One draft layer (heads/eagle_layer.py), then the
+drafter's own final `norm` and `lm_head` over the draft vocabulary.  It
+predicts token t+2, trained against the target's distribution at position
+t+1 restricted to the draft vocabulary (soft cross-entropy).
+
+Training-time test: the step is unrolled `ttt_steps` times; at step s the
+hidden input is the drafter's own previous output (before its final norm)
+and the tokens and targets shift by s, so the drafter learns from its own
+mistakes the way it drafts; step s's loss weighs decay**s.
+
+Names follow vLLM's `LlamaForCausalLMEagle3` (fc, midlayer.*, norm, lm_head)
+so export is a rename of nothing.  Shape notation: b batch, s sequence, H
+drafter hidden, T target hidden, v draft vocabulary, m scored positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .drafter import DraftContext, StepOutput
+from .dynamic_tree import TreeSettings, grow
+from .eagle_layer import DraftLayer, RMSNorm, Rotary, layer_shape_from_target
+from .engine import EngineCache
+from .target import Target
+
+
+@dataclass
+class Eagle3Config:
+    layer_ids: list[int] | None = None
+    """Fused target layers (hidden_states ids); default [2, N//2, N-3]."""
+    ttt_steps: int = 7
+    """Unrolled training-time-test steps."""
+    loss_decay: float = 0.8
+    """Step s's loss weight is loss_decay ** s."""
+    draft_vocab_size: int | None = 32000
+    """Tokens the drafter scores (the most frequent reply tokens); capped at the target vocabulary."""
+    intermediate_size: int | None = None
+    """Draft layer MLP width; default the target's."""
+    init_from_target: bool = False
+    """Start the draft layer's attention and MLP from the target's last decoder layer (where shapes allow)."""
+    tree: dict = field(default_factory=lambda: {"depth": 5, "top_k": 8, "total_tokens": 32})
+    """Default dynamic tree (EAGLE-2) for decoding: depth, top_k, total_tokens."""
+
+    def __post_init__(self):
+        if self.ttt_steps < 1:
+            raise ValueError(f"drafter.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.layer_ids is not None and len(self.layer_ids) != 3:
+            raise ValueError(f"drafter.layer_ids must name 3 target layers, got {self.layer_ids}")
+        TreeSettings(**self.tree)
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """(2, N//2, N-3) as vLLM and the paper use, clamped into range for very shallow targets."""
+    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+
+
+class Eagle3(nn.Module):
+    kind = "eagle3"
+    config_class = Eagle3Config
+
+    def __init__(self, config: Eagle3Config, target: Target):
+        super().__init__()
+        self.config = config
+        self.target = target                       # frozen; its embedding and lm_head are never saved here
+        self.target_identity = target.identity
+        self.layer_ids = target.check_layer_ids(config.layer_ids or default_layer_ids(target.num_layers),
+                                                "drafter.layer_ids")
+        shape = layer_shape_from_target(target, intermediate_size=config.intermediate_size)
+        self.shape = shape
+        vocab = min(config.draft_vocab_size or target.vocab_size, target.vocab_size)
+        if config.draft_vocab_size and config.draft_vocab_size > target.vocab_size:
+            raise ValueError(f"draft_vocab_size={config.draft_vocab_size} is larger than the target's vocabulary "
+                             f"({target.vocab_size}); use at most {target.vocab_size}")
+        self.fc = nn.Linear(3 * target.hidden_size, shape.hidden_size, bias=False)
+        self.midlayer = DraftLayer(shape, fused=True)
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.lm_head = nn.Linear(shape.hidden_size, vocab, bias=False)
+        self.register_buffer("draft_to_target", torch.arange(vocab))
+        self.rotary = Rotary(shape)
+        self.tree = TreeSettings(**config.tree)
+        self.metadata: dict = {}
+        self.cache: EngineCache | None = None
+        self.set_draft_vocabulary(self.draft_to_target)
+        if config.init_from_target:
+            self._init_from_target()
+
+    @property
+    def required_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.layer_ids) | {self.target.num_layers}))
+
+    @property
+    def draft_positions(self) -> int:
+        return self.config.ttt_steps
+
+    def set_draft_vocabulary(self, draft_to_target: torch.Tensor) -> None:
+        """Scored tokens (ascending target ids); the lm_head restarts from the target's rows for them."""
+        self.draft_to_target.copy_(draft_to_target.to(self.draft_to_target.device))
+        self._refresh_vocabulary_map()
+        rows = self.target.lm_head.weight.detach()[self.draft_to_target.to(self.target.device)]
+        self.lm_head.weight.data.copy_(rows.float().to(self.lm_head.weight.device))
+
+    def _refresh_vocabulary_map(self) -> None:
+        target_to_draft = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
+        target_to_draft[self.draft_to_target.cpu()] = torch.arange(self.draft_to_target.numel())
+        self._target_to_draft = target_to_draft.to(self.draft_to_target.device)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._refresh_vocabulary_map()
+
+    def _apply(self, fn, *args, **kwargs):
+        result = super()._apply(fn, *args, **kwargs)
+        self._refresh_vocabulary_map()
+        return result
+
+    def _init_from_target(self) -> None:
+        """Copy the target's last layer where shapes match (q/k/v read 2H here, so only their
+        hidden half); an idea beyond the paper for small data budgets."""
+        last = self.target.decoder.layers[-1]
+        mine = self.midlayer
+        with torch.no_grad():
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                source = getattr(last.mlp, name).weight
+                if source.shape == getattr(mine.mlp, name).weight.shape:
+                    getattr(mine.mlp, name).weight.copy_(source.float())
+            H = self.shape.hidden_size
+            for name in ("q_proj", "k_proj", "v_proj"):
+                source = getattr(last.self_attn, name).weight
+                target = getattr(mine.self_attn, name).weight
+                if source.shape == target[:, H:].shape:
+                    target[:, H:].copy_(source.float())
+            if last.self_attn.o_proj.weight.shape == mine.self_attn.o_proj.weight.shape:
+                mine.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight.float())
+
+    def fuse(self, features: dict) -> torch.Tensor:
+        """{layer: [..., T]} -> fc(cat of the three layers) [..., H]"""
+        stacked = torch.cat([features[i] for i in self.layer_ids], dim=-1)
+        return self.fc(stacked.to(self.fc.weight.dtype))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.target.embed_tokens(tokens).to(self.fc.weight.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] (before the final norm) -> [..., v]"""
+        return self.lm_head(self.norm(hidden))
+
+    # -- training ----------------------------------------------------------------
+    def forward(self, batch: dict) -> StepOutput:
+        return self.loss(batch)
+
+    @torch.no_grad()
+    def _target_distribution(self, batch: dict):
+        """At every position j whose next token is a reply token: the target's distribution over the
+        draft vocabulary and whether its argmax is in it.  Returns (row index [b, s], probs [m, v], ok [m])."""
+        final = batch["features"][self.target.num_layers]                         # [b, s, T]
+        wanted = F.pad(batch["loss_mask"][:, 1:], (0, 1)).bool()                   # j predicts token j+1
+        index = torch.full(wanted.shape, -1, dtype=torch.long, device=final.device)
+        index[wanted] = torch.arange(int(wanted.sum()), device=final.device)
+        probs, ok = [], []
+        for chunk in final[wanted].split(1024):
+            logits = self.target.compute_logits(chunk).float()                    # [c, V]
+            ok.append(self._target_to_draft[logits.argmax(-1)] >= 0)
+            probs.append(torch.softmax(logits[:, self.draft_to_target], dim=-1))
+        empty = final.new_zeros(0, self.draft_to_target.numel(), dtype=torch.float32)
+        return index, (torch.cat(probs) if probs else empty), (torch.cat(ok) if ok else empty[:, 0].bool())
+
+    def unroll(self, batch: dict):
+        """Training-time test: the drafter's hidden output at every position for each step s: [b, s, H] each.
+        Step s at position t reads token t+1+s and predicts token t+2+s."""
+        input_ids, attention = batch["input_ids"], batch["attention_mask"].bool()
+        b, s = input_ids.shape
+        hidden = self.fuse(batch["features"])                                     # [b, s, H]
+        positions = torch.arange(s, device=input_ids.device)[None].expand(b, s)
+        past: list = []
+        for step in range(self.config.ttt_steps):
+            tokens = F.pad(input_ids[:, 1 + step:], (0, 1 + step))                 # token t+1+s at t
+            cos, sin = self.rotary(hidden, positions + step)
+            hidden = self.midlayer.ttt(hidden, self.embed(tokens), cos, sin, past, attention)
+            yield hidden
+
+    def loss(self, batch: dict) -> StepOutput:
+        """Sum over unrolled steps s of decay^s * soft-CE(target at t+1+s, drafter at t, step s)."""
+        index, target_probs, in_vocab = self._target_distribution(batch)
+        device = batch["input_ids"].device
+        steps = self.config.ttt_steps
+        total = torch.zeros((), device=device)
+        correct = torch.zeros(steps, device=device)
+        counted = torch.zeros(steps, device=device)
+        for step, hidden in enumerate(self.unroll(batch)):
+            rows = F.pad(index[:, 1 + step:], (0, 1 + step), value=-1)            # target at t+1+s
+            scored = rows >= 0
+            if not scored.any():
+                continue
+            probs = target_probs[rows[scored]]                                      # [m, v]
+            ok = in_vocab[rows[scored]]
+            log_q = torch.log_softmax(self.logits(hidden[scored]).float(), dim=-1)
+            per_position = -(probs * log_q).sum(-1) * ok
+            total = total + (self.config.loss_decay ** step) * per_position.sum() / scored.sum()
+            correct[step] = ((log_q.argmax(-1) == probs.argmax(-1)) & ok).sum()
+            counted[step] = scored.sum()
+        return StepOutput(loss=total, correct=correct, counted=counted)
+
+    # -- decoding ----------------------------------------------------------------
+    def set_proposal(self, chain: int | None = None, tree_size: int | None = None, tree: TreeSettings | None = None):
+        """A chain of `chain` drafts, or the dynamic tree (total_tokens = tree_size if given)."""
+        if chain is not None:
+            self.tree = TreeSettings.chain(chain or self.config.tree.get("depth", 5))
+        elif tree is not None:
+            self.tree = tree
+        else:
+            defaults = dict(self.config.tree)
+            if tree_size:
+                defaults["total_tokens"] = tree_size
+            self.tree = TreeSettings(**defaults)
+
+    def describe_proposal(self) -> str:
+        if self.tree.top_k == 1:
+            return f"chain of {self.tree.depth}"
+        return f"dynamic tree ({self.tree.total_tokens} nodes, depth {self.tree.depth}, top-{self.tree.top_k})"
+
+    def reset(self) -> None:
+        self.cache = EngineCache(1, 512, 1, device=self.fc.weight.device)
+
+    def _feed(self, hidden, tokens, positions, block_mask=None, prefix_mask=None) -> torch.Tensor:
+        """Feed n (hidden [n, H], token) pairs at `positions` [n] into the drafter cache -> outputs [n, H]."""
+        n = hidden.shape[0]
+        self.cache.ensure_capacity(self.cache.length + n)
+        self.cache.begin_block(positions[None], None if block_mask is None else block_mask[None], None,
+                               None if prefix_mask is None else prefix_mask[None])
+        cos, sin = self.rotary(hidden[None], positions[None])
+        out = self.midlayer.cached(hidden[None], self.embed(tokens)[None], cos, sin, self.cache)
+        self.cache.end_block()
+        return out[0]
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext):
+        hidden = self.fuse({i: context.hidden[i] for i in self.layer_ids})                # [m, H]
+        following = torch.cat([context.tokens[1:], context.tokens.new_tensor([context.next_token])])
+        m = hidden.shape[0]
+        positions = torch.arange(context.position - m, context.position, device=hidden.device)
+        out = self._feed(hidden, following, positions)                                    # causal
+        real = self.cache.length
+        root = out[-1]
+        root_logprobs = torch.log_softmax(self.logits(root).float(), dim=-1)
+
+        def step(node_hidden, draft_tokens, depths, visible):
+            prefix = torch.ones(len(draft_tokens), self.cache.length, dtype=torch.bool, device=hidden.device)
+            prefix[:, real:] = visible
+            diagonal = torch.eye(len(draft_tokens), dtype=torch.bool, device=hidden.device)
+            fed = self._feed(node_hidden, self.draft_to_target[draft_tokens], context.position + depths - 1,
+                             diagonal, prefix)
+            return fed, torch.log_softmax(self.logits(fed).float(), dim=-1)
+
+        tree = grow(step, root, root_logprobs, self.tree, real, self.draft_to_target)
+        self.cache.truncate(real)
+        return tree

@@ -1,0 +1,190 @@
+"""The draft decoder layer of EAGLE-1 and EAGLE-3: one Llama layer (the layout every serving stack loads).
+
+EAGLE-3 (arXiv 2503.01840; vLLM `LlamaForCausalLMEagle3`): the fc output h
+and the token embedding e are normed separately (`hidden_norm`,
+`input_layernorm`), attention reads cat(e, h) (2H wide, embedding first), and
+the residual is the un-normed h.  EAGLE-1 (arXiv 2401.15077): the layer reads
+the fc output directly, with no input norm.
+
+Two ways to attend:
+- `cached`: decoding, through an EngineCache (heads/engine.py) so a tree of
+  drafts sees the real context and its own ancestors only;
+- `ttt`: training-time test.  At unrolled step s, position i attends to the
+  step-0 keys causally (j <= i) and, from every later step t = 1..s, only to
+  its own position i (REFERENCE.md, EAGLE-3 section 3.2).  `ttt_mask` spells
+  that pattern out; `ttt` computes it without materialising it.
+
+Shape notation: b batch, s sequence, n new tokens, d head dim, h heads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .engine import EngineCache, cached_attention
+
+
+@dataclass
+class LayerShape:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_parameters: dict
+    max_position_embeddings: int
+
+
+def layer_shape_from_target(target, hidden_size=None, intermediate_size=None, num_heads=None,
+                            num_kv_heads=None) -> LayerShape:
+    """The target's own layer shape, any field overridable."""
+    cfg = target.config
+    hidden = hidden_size or cfg.hidden_size
+    heads = num_heads or cfg.num_attention_heads
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_type": "default",
+                                                     "rope_theta": getattr(cfg, "rope_theta", 10000.0)}
+    if "full_attention" in rope:          # per-layer-type rope (Gemma 3): the global layers' rope
+        rope = rope["full_attention"]
+    return LayerShape(
+        hidden_size=hidden, num_heads=heads, num_kv_heads=num_kv_heads or getattr(cfg, "num_key_value_heads", heads),
+        head_dim=getattr(cfg, "head_dim", None) or hidden // heads,
+        intermediate_size=intermediate_size or cfg.intermediate_size,
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), rope_parameters=dict(rope),
+        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 4096)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., H] -> [..., H], computed in fp32 as Llama does."""
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding with the target's rope settings (transformers computes the frequencies)."""
+
+    def __init__(self, shape: LayerShape):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        config = LlamaConfig(hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
+                             num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                             max_position_embeddings=shape.max_position_embeddings,
+                             rope_parameters=shape.rope_parameters)
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [b, n] -> cos, sin [b, n, d]"""
+        return self.rotary(x, positions)
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def ttt_mask(seq_len: int, step: int) -> torch.Tensor:
+    """[s, s * (step + 1)] bool: what position i sees at unrolled step `step`, over (step-0 keys, step-1 keys, ...)."""
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    diagonal = torch.eye(seq_len, dtype=torch.bool)
+    return torch.cat([causal] + [diagonal] * step, dim=1)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, shape: LayerShape, input_size: int):
+        super().__init__()
+        self.shape = shape
+        h, kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.q_proj = nn.Linear(input_size, h * d, bias=False)
+        self.k_proj = nn.Linear(input_size, kv * d, bias=False)
+        self.v_proj = nn.Linear(input_size, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, shape.hidden_size, bias=False)
+
+    def _qkv(self, x, cos, sin):
+        b, n, _ = x.shape
+        d = self.shape.head_dim
+        q = self.q_proj(x).view(b, n, -1, d).transpose(1, 2)             # [b, h, n, d]
+        k = self.k_proj(x).view(b, n, -1, d).transpose(1, 2)             # [b, hk, n, d]
+        v = self.v_proj(x).view(b, n, -1, d).transpose(1, 2)
+        q, k = rotate(q, k, cos, sin)
+        return q, k, v
+
+    def cached(self, x: torch.Tensor, cos, sin, cache: EngineCache) -> torch.Tensor:
+        """x: [b, n, in] -> [b, n, H], attending over the cache (whose mask the caller prepared)."""
+        q, k, v = self._qkv(x, cos, sin)
+        out = cached_attention(cache, 0, q, k, v.to(q.dtype))                   # [b, n, h, d]
+        return self.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
+
+    def ttt(self, x: torch.Tensor, cos, sin, past: list, key_valid: torch.Tensor) -> torch.Tensor:
+        """One unrolled step.  x: [b, s, in]; past: (k, v) of the earlier steps (appended here);
+        key_valid: [b, s] False on padding.  Returns [b, s, H]."""
+        q, k, v = self._qkv(x, cos, sin)
+        past.append((k, v))
+        groups = self.shape.num_heads // self.shape.num_kv_heads
+        expand = (lambda t: t.repeat_interleave(groups, dim=1)) if groups > 1 else (lambda t: t)
+        scale = self.shape.head_dim ** -0.5
+        k0, v0 = expand(past[0][0]), expand(past[0][1])
+        scores0 = torch.matmul(q, k0.transpose(-1, -2)).float() * scale                 # [b, h, s, s]
+        s = x.shape[1]
+        visible = torch.ones(s, s, dtype=torch.bool, device=x.device).tril() & key_valid[:, None, None, :]
+        scores0 = scores0.masked_fill(~visible, float("-inf"))
+        diagonal = [(q * expand(kt)).sum(-1, keepdim=True).float() * scale for kt, _ in past[1:]]   # [b, h, s, 1]
+        probs = torch.softmax(torch.cat([scores0] + diagonal, dim=-1), dim=-1).to(q.dtype)
+        out = torch.matmul(probs[..., :s], v0)                                          # [b, h, s, d]
+        for t, (_, vt) in enumerate(past[1:]):
+            out = out + probs[..., s + t: s + t + 1] * expand(vt)
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: LayerShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """fused=True: EAGLE-3's layer (attention over cat(norm(emb), norm(h))); False: EAGLE-1's (over h)."""
+
+    def __init__(self, shape: LayerShape, fused: bool):
+        super().__init__()
+        self.fused = fused
+        width = 2 * shape.hidden_size if fused else shape.hidden_size
+        if fused:
+            self.hidden_norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+            self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.self_attn = DraftAttention(shape, width)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.mlp = MLP(shape)
+
+    def _attention_input(self, hidden: torch.Tensor, embeds: torch.Tensor | None) -> torch.Tensor:
+        if self.fused:
+            return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)   # [b, n, 2H]
+        return hidden
+
+    def _finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + attended                     # the residual is the un-normed input
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def cached(self, hidden, embeds, cos, sin, cache: EngineCache) -> torch.Tensor:
+        """hidden, embeds: [b, n, H] -> [b, n, H]"""
+        return self._finish(hidden, self.self_attn.cached(self._attention_input(hidden, embeds), cos, sin, cache))
+
+    def ttt(self, hidden, embeds, cos, sin, past: list, key_valid) -> torch.Tensor:
+        """hidden, embeds: [b, s, H] -> [b, s, H] for one unrolled step."""
+        return self._finish(hidden, self.self_attn.ttt(self._attention_input(hidden, embeds), cos, sin, past, key_valid))

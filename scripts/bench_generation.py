@@ -1,0 +1,71 @@
+"""Self-distillation throughput: generated tokens/s of draftsmith's batched engine vs transformers' generate.
+
+    python scripts/bench_generation.py --batch-sizes 32 64 128 --prompts 128 --max-new-tokens 256
+
+Prompts are ShareGPT first turns rendered with the target's chat template
+(longest first-turn prompts skipped, as data.max_prompt_tokens does).  Both
+engines decode greedily in the same dtype, one after the other in one process.
+"""
+import argparse
+import time
+
+import torch
+
+from draftsmith.data import sources
+from draftsmith.data.chat import prompt_ids
+from draftsmith.data.generate import generate_batch
+from draftsmith.heads.target import Target
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64])
+    parser.add_argument("--prompts", type=int, default=128)
+    parser.add_argument("--max-prompt-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--capture", type=int, nargs="*", default=[], help="layer ids to capture as features")
+    parser.add_argument("--hf", action="store_true", help="also time transformers' generate on the same batches")
+    args = parser.parse_args()
+
+    target = Target.load(args.target, args.dtype)
+    prompts = []
+    for conv in sources.sharegpt(limit=args.prompts * 3):
+        ids = prompt_ids(target.tokenizer, conv.messages[:1])
+        if len(ids) <= args.max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) == args.prompts:
+            break
+    prompts.sort(key=len)
+    print(f"{len(prompts)} prompts, {sum(map(len, prompts)) / len(prompts):.0f} tokens on average; "
+          f"{target.dtype}, {torch.get_num_threads()} threads")
+    for batch_size in args.batch_sizes:
+        generated, start = 0, time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            outs = generate_batch(target, prompts[i:i + batch_size], args.max_new_tokens,
+                                  capture_layers=args.capture)
+            generated += sum(len(o.token_ids) for o in outs)
+        seconds = time.perf_counter() - start
+        line = f"batch {batch_size:>4}: draftsmith {generated / seconds:7.1f} tok/s ({generated} tokens, {seconds:.0f}s)"
+        if args.hf:
+            tok = target.tokenizer
+            hf_generated, start = 0, time.perf_counter()
+            for i in range(0, len(prompts), batch_size):
+                chunk = prompts[i:i + batch_size]
+                longest = max(map(len, chunk))
+                ids = torch.tensor([[tok.pad_token_id or 0] * (longest - len(p)) + p for p in chunk])
+                mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in chunk])
+                out = target.model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+                                            do_sample=False, eos_token_id=target.eos_token_ids,
+                                            pad_token_id=target.eos_token_ids[0])
+                new = out[:, longest:]
+                hf_generated += int(sum(((row != target.eos_token_ids[0]).cumsum(0) == torch.arange(1, len(row) + 1)).sum() + (row == target.eos_token_ids[0]).any()
+                                        for row in new))
+            hf_seconds = time.perf_counter() - start
+            line += f" | transformers generate {hf_generated / hf_seconds:7.1f} tok/s ({hf_seconds:.0f}s)"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

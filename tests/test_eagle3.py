@@ -1,0 +1,177 @@
+"""EAGLE-3: the training-time-test attention, the draft vocabulary, exact decoding with chains and dynamic trees."""
+import pytest
+import torch
+
+from draftsmith.eval.verifier import decode
+from draftsmith.heads.dynamic_tree import TreeSettings
+from draftsmith.heads.eagle3 import Eagle3, Eagle3Config
+from draftsmith.heads.eagle_layer import ttt_mask
+from draftsmith.heads.target import Target, TargetError
+
+from conftest import build_tiny_target
+from test_verifier import prompts
+
+
+def test_ttt_mask_element_by_element():
+    s = 4
+    for step in range(3):
+        mask = ttt_mask(s, step)
+        assert mask.shape == (s, s * (step + 1))
+        for i in range(s):
+            for j in range(s):
+                assert mask[i, j] == (j <= i)                       # step-0 keys: causal
+            for t in range(1, step + 1):
+                for j in range(s):
+                    assert mask[i, t * s + j] == (j == i)           # later steps: own position only
+
+
+def test_efficient_ttt_attention_equals_dense_masked_attention(tiny_target):
+    torch.manual_seed(0)
+    drafter = Eagle3(Eagle3Config(draft_vocab_size=64), tiny_target)
+    attention = drafter.midlayer.self_attn
+    b, s = 2, 6
+    width = attention.q_proj.in_features
+    inputs = [torch.randn(b, s, width) for _ in range(3)]
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[1, 4:] = False                                            # padding at the end of row 1
+    positions = torch.arange(s)[None].expand(b, s)
+    past, outs = [], []
+    for step, x in enumerate(inputs):
+        cos, sin = drafter.rotary(x, positions + step)
+        outs.append(attention.ttt(x, cos, sin, past, valid))
+    # dense reference: all steps' keys side by side, ttt_mask (and padding) deciding visibility
+    groups = attention.shape.num_heads // attention.shape.num_kv_heads
+    for step, x in enumerate(inputs):
+        q = past[step][0].new_zeros(0)
+        cos, sin = drafter.rotary(x, positions + step)
+        q, _, _ = attention._qkv(x, cos, sin)
+        keys = torch.cat([k for k, _ in past[: step + 1]], dim=2).repeat_interleave(groups, 1)
+        values = torch.cat([v for _, v in past[: step + 1]], dim=2).repeat_interleave(groups, 1)
+        mask = ttt_mask(s, step)[None, None] & valid.repeat(1, step + 1)[:, None, None, :]
+        mask = mask | torch.eye(s, s * (step + 1), dtype=torch.bool)[None, None]       # a query sees itself
+        dense = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        expected = attention.o_proj(dense.transpose(1, 2).reshape(b, s, -1))
+        assert torch.allclose(outs[step][0], expected[0], atol=1e-5)
+        assert torch.allclose(outs[step][1, :4], expected[1, :4], atol=1e-5)
+
+
+def test_layer_ids_and_vocabulary_are_checked(tiny_target):
+    with pytest.raises(TargetError, match="out of range"):
+        Eagle3(Eagle3Config(layer_ids=[0, 1, 9]), tiny_target)
+    with pytest.raises(ValueError, match="larger than the target's vocabulary"):
+        Eagle3(Eagle3Config(draft_vocab_size=10_000), tiny_target)
+
+
+def untrained(target, seed=0, vocab=None):
+    torch.manual_seed(seed)
+    drafter = Eagle3(Eagle3Config(draft_vocab_size=vocab, layer_ids=[0, 1, 2]), target)
+    for p in drafter.midlayer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return drafter
+
+
+def overfit(target, drafter, sequences, steps=60):
+    ids = torch.tensor(sequences)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    batch["features"] = target.features(ids, batch["attention_mask"], drafter.required_layers)
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        drafter.loss(batch).loss.backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("proposal", ["chain", "tree"])
+def test_eagle3_decodes_exactly(tiny_target, proposal):
+    drafter = untrained(tiny_target, vocab=tiny_target.vocab_size)
+    cases = prompts(tiny_target)
+    overfit(tiny_target, drafter, [p + decode(tiny_target, p, 40).tokens[:34] for p in cases])   # some drafts right
+    if proposal == "chain":
+        drafter.set_proposal(chain=4)
+    else:
+        drafter.set_proposal(tree=TreeSettings(depth=4, top_k=3, total_tokens=10))
+    accepted = 0
+    for prompt in cases:
+        plain = decode(tiny_target, prompt, 40)
+        spec = decode(tiny_target, prompt, 40, drafter=drafter)
+        assert spec.tokens == plain.tokens
+        accepted += sum(spec.accepted)
+    assert accepted > 20       # accepted drafts (and the cache compaction after them) were exercised
+
+
+def test_dynamic_tree_keeps_a_prefix_closed_tree_of_the_asked_size(tiny_target):
+    drafter = untrained(tiny_target, vocab=tiny_target.vocab_size)
+    drafter.set_proposal(tree=TreeSettings(depth=4, top_k=3, total_tokens=9))
+    prompt = prompts(tiny_target, count=1)[0]
+    cache = tiny_target.new_cache(1, 64)
+    out = tiny_target.forward_block(cache, torch.tensor([prompt]), torch.arange(len(prompt))[None],
+                                    layer_ids=drafter.required_layers, logits="last")
+    from draftsmith.heads.drafter import DraftContext
+    drafter.reset()
+    context = DraftContext(torch.tensor(prompt), {i: h[0] for i, h in out.hidden_states.items()},
+                           int(out.logits[0, -1].argmax()), len(prompt))
+    tree = drafter.propose(context)
+    assert tree.size == 9 and int(tree.depths.max()) <= 4
+    assert all(p < i for i, p in enumerate(tree.parents.tolist()))       # parents first
+    assert drafter.cache.length == len(prompt)                           # drafted slots dropped
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_two_families_train_a_step_and_decode_exactly(family, tmp_path):
+    target = Target.load(str(build_tiny_target(tmp_path / family, family, seed=4)), "float32")
+    drafter = Eagle3(Eagle3Config(draft_vocab_size=48, ttt_steps=3), target)
+    ids = torch.tensor([prompts(target, count=1, length=12)[0], prompts(target, count=1, length=12, seed=5)[0]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "loss_mask": torch.cat([torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)], 1)}
+    batch["features"] = target.features(ids, batch["attention_mask"], drafter.required_layers)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    first = drafter.loss(batch)
+    first.loss.backward()
+    optimizer.step()
+    assert torch.isfinite(first.loss) and first.counted[0] > 0
+    assert drafter.loss(batch).loss < first.loss                          # the step helped
+    drafter.set_proposal(tree=TreeSettings(depth=3, top_k=2, total_tokens=6))
+    for prompt in prompts(target, count=2):
+        assert decode(target, prompt, 24, drafter=drafter).tokens == decode(target, prompt, 24).tokens
+
+
+def test_inference_proposals_equal_teacher_forced_predictions(tiny_target):
+    """No train/inference mismatch: on one sequence, drafting reproduces the training-time unroll.
+    Depth 1 at root position P equals step 0 at t = P-1; depth 2 equals step 1 there when depth 1 was right."""
+    torch.manual_seed(1)
+    drafter = Eagle3(Eagle3Config(draft_vocab_size=tiny_target.vocab_size, ttt_steps=2), tiny_target)
+    for p in drafter.midlayer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    prompt = prompts(tiny_target, count=1, length=8)[0]
+    sequence = prompt + decode(tiny_target, prompt, 30).tokens
+    ids = torch.tensor([sequence])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    batch["features"] = tiny_target.features(ids, batch["attention_mask"], drafter.required_layers)
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(60):             # overfit this sequence, so depth 1 is often right and depth 2 gets compared
+        optimizer.zero_grad()
+        drafter.loss(batch).loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        forced = [drafter.draft_to_target[drafter.logits(h).argmax(-1)][0] for h in drafter.unroll(batch)]
+
+    proposals = []
+    original = drafter.propose
+
+    def recording(context):
+        tree = original(context)
+        proposals.append((context.position, tree.tokens.tolist()))
+        return tree
+    drafter.propose = recording
+    drafter.set_proposal(chain=2)
+    decode(tiny_target, prompt, 30, drafter=drafter)
+    checked_depth2 = 0
+    for position, (first, second) in proposals:
+        t = position - 1
+        if t + 2 >= len(sequence):
+            continue
+        assert first == int(forced[0][t]), position
+        if first == sequence[t + 2]:
+            assert second == int(forced[1][t]), position
+            checked_depth2 += 1
+    assert len(proposals) > 5 and checked_depth2 >= 3
