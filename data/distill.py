@@ -39,6 +39,8 @@ class DataSettings:
 
     source: str = "sharegpt"
     """sharegpt, mt-bench, humaneval, a .jsonl/.json file, or a datasets directory."""
+    backend: str = "transformers"
+    """Who regenerates: transformers (draftsmith's batched engine; keeps the features) or vllm (optional extra)."""
     max_conversations: int | None = 2000
     """Conversations taken from the source (after shuffling with the seed), rounded up to whole batches; null = all."""
     regenerate: bool = True
@@ -63,6 +65,8 @@ class DataSettings:
     """Training sequences are cut to this many tokens."""
 
     def __post_init__(self):
+        if self.backend not in ("transformers", "vllm"):
+            raise ValueError(f"data.backend must be transformers or vllm, got '{self.backend}'")
         if self.long_prompts not in ("skip", "truncate"):
             raise ValueError(f"data.long_prompts must be 'skip' or 'truncate', got '{self.long_prompts}'")
         for name in ("max_turns", "max_prompt_tokens", "max_new_tokens", "batch_size", "max_seq_len"):
@@ -173,9 +177,15 @@ def regenerate_batch(target: Target, batch: list[sources.Conversation], settings
                 jobs.append((conv, messages, prompt))
         if not jobs:
             break
-        outs = generate_batch(target, [p.input_ids for _, _, p in jobs], settings.max_new_tokens,
-                              settings.temperature, settings.top_p, generator, on_tokens=on_tokens,
-                              capture_layers=capture_layers)
+        prompts = [p.input_ids for _, _, p in jobs]
+        if settings.backend == "vllm":
+            from . import vllm_backend
+            seed = int(torch.randint(0, 2 ** 31, (1,), generator=generator))
+            outs = vllm_backend.generate_batch(target, prompts, settings.max_new_tokens, settings.temperature,
+                                               settings.top_p, seed, on_tokens)
+        else:
+            outs = generate_batch(target, prompts, settings.max_new_tokens, settings.temperature, settings.top_p,
+                                  generator, on_tokens=on_tokens, capture_layers=capture_layers)
         alive = []
         for (conv, messages, prompt), out in zip(jobs, outs):
             reply_ids = [t for t in out.token_ids if t not in target.eos_token_ids]
@@ -208,7 +218,8 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
     if settings.max_conversations is not None:
         # whole batches only, so a resume with another max_conversations reuses every shard as it is
         batches = batches[: -(-settings.max_conversations // settings.batch_size)]
-    capture_layers = sorted(set(capture_layers)) if settings.regenerate else []
+    # vLLM hands back no hidden states: its shards get their features from one forward each, afterwards
+    capture_layers = sorted(set(capture_layers)) if settings.regenerate and settings.backend == "transformers" else []
     features_dir = feature_cache.cache_dir(out_dir, capture_layers)
     if capture_layers:
         upper = sum(len(b) for b in batches) * (settings.max_prompt_tokens + settings.max_new_tokens)

@@ -116,12 +116,11 @@ def configure_proposal(drafter, target: Target, options: EvalOptions) -> str:
     """Set the drafter's proposal shape; returns its description."""
     if options.proposal == "chain" or (options.proposal == "default" and getattr(drafter, "prefers_chain", False)):
         drafter.set_proposal(chain=options.chain_length)
-        return f"chain of {drafter.tree.size}" if hasattr(drafter, "tree") else "chain"
-    if hasattr(drafter, "default_tree"):        # static trees (Medusa)
-        size = options.tree_size or tune_tree_size(drafter, target)
-        drafter.set_proposal(tree=drafter.default_tree(size))
-        return f"static tree of {size}"
-    drafter.set_proposal(tree_size=options.tree_size)
+    elif hasattr(drafter, "default_tree"):        # static trees (Medusa)
+        options.tree_size = options.tree_size or tune_tree_size(drafter, target)   # the fp32 check reuses it
+        drafter.set_proposal(tree=drafter.default_tree(options.tree_size))
+    else:
+        drafter.set_proposal(tree_size=options.tree_size)
     return drafter.describe_proposal()
 
 
@@ -219,13 +218,11 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
     from draftsmith.heads.drafter import read_config
 
     config = read_config(checkpoint)
-    target_path = options.target_path or config["target"]["name"]
+    target_path = options.target_path or config.get("target_source") or config["target"]["name"]
     dtype = resolve_dtype(options.dtype)
     target = Target.load(target_path, dtype)
     drafter = load_drafter(checkpoint, target).to(dtype)
     description = configure_proposal(drafter, target, options)
-    if options.proposal != "chain" and options.tree_size is None and hasattr(drafter, "tree"):
-        options.tree_size = drafter.tree.size          # the fp32 check verifies the same tree
     prompts = load_prompts(target, options.prompts, options.limit)
     run_modes(target, drafter, prompts[0][1][:32], EvalOptions(**{**asdict(options), "max_new_tokens": 8}), 0)  # warm-up
     results = []

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from .target import Target, TargetError, TargetIdentity
 
 CONFIG_FILE = "config.json"
+RESERVED = ("kind", "draftsmith_version", "target", "target_source", "target_layer_ids", "drafter", "architecture")
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -55,21 +56,12 @@ class DraftContext:
 
 
 def registry() -> dict:
-    """kind -> drafter class (imported lazily so each file stays independent)."""
+    """kind -> drafter class (imported here, not at the top, so each drafter file stays independent)."""
+    from .eagle import Eagle
+    from .eagle3 import Eagle3
     from .medusa import Medusa
 
-    kinds = {Medusa.kind: Medusa}
-    try:
-        from .eagle import Eagle
-        kinds[Eagle.kind] = Eagle
-    except ImportError:
-        pass
-    try:
-        from .eagle3 import Eagle3
-        kinds[Eagle3.kind] = Eagle3
-    except ImportError:
-        pass
-    return kinds
+    return {cls.kind: cls for cls in (Medusa, Eagle, Eagle3)}
 
 
 def config_from_dict(config_cls, values: dict, where: str):
@@ -81,13 +73,15 @@ def config_from_dict(config_cls, values: dict, where: str):
     return config_cls(**values)
 
 
-def save_drafter(drafter, directory: Path, extra: dict | None = None) -> None:
-    """Write config.json and model.safetensors (the drafter's own weights only), atomically per file."""
+def save_drafter(drafter, directory: Path, extra: dict | None = None, state: dict | None = None) -> None:
+    """Write config.json and model.safetensors (the drafter's own weights only), atomically per file.
+
+    `state`: the weights to write when they are not the module's own (gathered from FSDP / ZeRO-3 shards)."""
     from draftsmith import __version__
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in (state or drafter.state_dict()).items()}
     tmp = directory / (WEIGHTS_FILE + ".tmp")
     save_file(state, str(tmp), metadata={"format": "pt", "kind": drafter.kind})
     tmp.replace(directory / WEIGHTS_FILE)
@@ -95,8 +89,11 @@ def save_drafter(drafter, directory: Path, extra: dict | None = None) -> None:
         "kind": drafter.kind,
         "draftsmith_version": __version__,
         "target": drafter.target_identity.to_dict(),
-        "target_layer_ids": list(drafter.required_layers),
+        "target_source": getattr(drafter.target, "source", drafter.target_identity.name),
+        "target_layer_ids": list(getattr(drafter, "layer_ids", drafter.required_layers)),
         "drafter": dataclasses.asdict(drafter.config),
+        **({"architecture": drafter.architecture()} if hasattr(drafter, "architecture") else {}),
+        **{k: v for k, v in getattr(drafter, "metadata", {}).items() if k not in RESERVED},
         **(extra or {}),
     }
     tmp = directory / (CONFIG_FILE + ".tmp")

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .drafter import DraftContext, StepOutput
-from .dynamic_tree import TreeSettings, grow
+from .dynamic_tree import TreeSettings
+from .eagle_decoding import EagleDecoding
 from .eagle_layer import DraftLayer, RMSNorm, Rotary, layer_shape_from_target
-from .engine import EngineCache
 from .target import Target
 
 
@@ -61,7 +61,7 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
 
 
-class Eagle3(nn.Module):
+class Eagle3(EagleDecoding, nn.Module):
     kind = "eagle3"
     config_class = Eagle3Config
 
@@ -86,7 +86,6 @@ class Eagle3(nn.Module):
         self.rotary = Rotary(shape)
         self.tree = TreeSettings(**config.tree)
         self.metadata: dict = {}
-        self.cache: EngineCache | None = None
         self.set_draft_vocabulary(self.draft_to_target)
         if config.init_from_target:
             self._init_from_target()
@@ -94,6 +93,15 @@ class Eagle3(nn.Module):
     @property
     def required_layers(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.layer_ids) | {self.target.num_layers}))
+
+    def architecture(self) -> dict:
+        """What an export needs to describe this drafter without the target at hand."""
+        from dataclasses import asdict
+
+        eos = self.target.eos_token_ids
+        return {**asdict(self.shape), "draft_vocab_size": int(self.draft_to_target.numel()),
+                "bos_token_id": getattr(self.target.config, "bos_token_id", None),
+                "eos_token_id": eos[0] if len(eos) == 1 else eos}
 
     @property
     def draft_positions(self) -> int:
@@ -207,57 +215,11 @@ class Eagle3(nn.Module):
             counted[step] = scored.sum()
         return StepOutput(loss=total, correct=correct, counted=counted)
 
-    # -- decoding ----------------------------------------------------------------
-    def set_proposal(self, chain: int | None = None, tree_size: int | None = None, tree: TreeSettings | None = None):
-        """A chain of `chain` drafts, or the dynamic tree (total_tokens = tree_size if given)."""
-        if chain is not None:
-            self.tree = TreeSettings.chain(chain or self.config.tree.get("depth", 5))
-        elif tree is not None:
-            self.tree = tree
-        else:
-            defaults = dict(self.config.tree)
-            if tree_size:
-                defaults["total_tokens"] = tree_size
-            self.tree = TreeSettings(**defaults)
+    # -- decoding (heads/eagle_decoding.py) -------------------------------------------
+    def _context_hidden(self, context: DraftContext) -> torch.Tensor:
+        return self.fuse({i: context.hidden[i] for i in self.layer_ids})                # [m, H]
 
-    def describe_proposal(self) -> str:
-        if self.tree.top_k == 1:
-            return f"chain of {self.tree.depth}"
-        return f"dynamic tree ({self.tree.total_tokens} nodes, depth {self.tree.depth}, top-{self.tree.top_k})"
-
-    def reset(self) -> None:
-        self.cache = EngineCache(1, 512, 1, device=self.fc.weight.device)
-
-    def _feed(self, hidden, tokens, positions, block_mask=None, prefix_mask=None) -> torch.Tensor:
-        """Feed n (hidden [n, H], token) pairs at `positions` [n] into the drafter cache -> outputs [n, H]."""
-        n = hidden.shape[0]
-        self.cache.ensure_capacity(self.cache.length + n)
-        self.cache.begin_block(positions[None], None if block_mask is None else block_mask[None], None,
-                               None if prefix_mask is None else prefix_mask[None])
-        cos, sin = self.rotary(hidden[None], positions[None])
-        out = self.midlayer.cached(hidden[None], self.embed(tokens)[None], cos, sin, self.cache)
-        self.cache.end_block()
-        return out[0]
-
-    @torch.no_grad()
-    def propose(self, context: DraftContext):
-        hidden = self.fuse({i: context.hidden[i] for i in self.layer_ids})                # [m, H]
-        following = torch.cat([context.tokens[1:], context.tokens.new_tensor([context.next_token])])
-        m = hidden.shape[0]
-        positions = torch.arange(context.position - m, context.position, device=hidden.device)
-        out = self._feed(hidden, following, positions)                                    # causal
-        real = self.cache.length
-        root = out[-1]
-        root_logprobs = torch.log_softmax(self.logits(root).float(), dim=-1)
-
-        def step(node_hidden, draft_tokens, depths, visible):
-            prefix = torch.ones(len(draft_tokens), self.cache.length, dtype=torch.bool, device=hidden.device)
-            prefix[:, real:] = visible
-            diagonal = torch.eye(len(draft_tokens), dtype=torch.bool, device=hidden.device)
-            fed = self._feed(node_hidden, self.draft_to_target[draft_tokens], context.position + depths - 1,
-                             diagonal, prefix)
-            return fed, torch.log_softmax(self.logits(fed).float(), dim=-1)
-
-        tree = grow(step, root, root_logprobs, self.tree, real, self.draft_to_target)
-        self.cache.truncate(real)
-        return tree
+    def _step(self, hidden, tokens, positions, cache) -> torch.Tensor:
+        """[1, n, H] (fused features or drafted outputs), tokens [1, n] -> outputs [1, n, H]"""
+        cos, sin = self.rotary(hidden, positions)
+        return self.midlayer.cached(hidden, self.embed(tokens), cos, sin, cache)

@@ -173,6 +173,7 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(shape)
 
     def _attention_input(self, hidden: torch.Tensor, embeds: torch.Tensor | None) -> torch.Tensor:
+        """EAGLE-3: cat(norm(emb), norm(h)); EAGLE-1: h as it is (its input norm is removed)."""
         if self.fused:
             return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)   # [b, n, 2H]
         return hidden

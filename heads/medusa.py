@@ -215,6 +215,11 @@ class Medusa(nn.Module):
                              f"tokens deep; asked for depth {shape.max_depth}")
         self.tree = shape
 
+    def describe_proposal(self) -> str:
+        if self.tree.size == self.tree.max_depth:
+            return f"chain of {self.tree.size}"
+        return f"static tree of {self.tree.size} (depth {self.tree.max_depth})"
+
     def default_tree(self, size: int) -> TreeShape:
         """The sparse tree of `size` nodes with the best expected acceptance, from held-out top-k rates."""
         rates = self.metadata.get("topk_accuracy")

@@ -126,6 +126,7 @@ class Target:
             weights_sha256=_weights_hash(self.embed_tokens.weight, self.lm_head.weight),
         )
         self.eos_token_ids = self._eos_ids()
+        self.source = name
 
     # -- loading ---------------------------------------------------------------
     @classmethod
@@ -145,6 +146,8 @@ class Target:
             raise TargetError(f"target '{path}' ({model_dir}) does not load as a causal LM: {err}") from err
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code, local_files_only=True)
         target = cls(model.to(device), tokenizer, name)
+        # where it came from, to find it again (an embedded name, or an absolute local path)
+        target.source = path if not Path(path).expanduser().exists() else str(Path(path).expanduser().resolve())
         target.self_check()
         return target
 

@@ -100,3 +100,33 @@ def tiny_target(tiny_target_dir):
     from draftsmith.heads.target import Target
 
     return Target.load(str(tiny_target_dir), "float32")
+
+
+# -- the real default target (slow and serving tests) ------------------------------------------
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """Self-distilled data on SmolLM2-135M, then a minute of training each for a Medusa and an EAGLE-3
+    drafter.  Medusa scores the full vocabulary (vLLM 0.32 cannot load a Medusa token_map)."""
+    from draftsmith.train.loop import fit
+    from draftsmith.train.settings import recipe_from_dict
+
+    out = tmp_path_factory.mktemp("default-run")
+    common = {
+        "output_dir": str(out), "seed": 0, "target": {"path": "smollm2-135m"},
+        "data": {"max_conversations": 64, "batch_size": 32, "max_new_tokens": 96, "max_prompt_tokens": 128},
+        "train": {"batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "epochs": 20, "max_minutes": 0.75,
+                  "save_every": 1000, "heldout_fraction": 0.1},
+    }
+    runs = {}
+    for method, drafter in (("eagle3", {"layer_ids": [2, 15, 27], "draft_vocab_size": 2048, "ttt_steps": 2,
+                                         "tree": {"depth": 3, "top_k": 1, "total_tokens": 3}}),
+                            ("medusa", {"num_heads": 3, "lm_head": "shared", "draft_vocab_size": None})):
+        recipe = recipe_from_dict({**common, "method": method, "drafter": drafter,
+                                   "output_dir": str(out / method)})
+        if method == "medusa":   # the same data (and cache: layer 30 is among EAGLE-3's), no second generation
+            import shutil
+            shutil.copytree(out / "eagle3" / "data", out / "medusa" / "data")
+        report = fit(recipe, progress=False)
+        runs[method] = report.checkpoint
+    return runs

@@ -175,3 +175,26 @@ def test_inference_proposals_equal_teacher_forced_predictions(tiny_target):
             assert second == int(forced[1][t]), position
             checked_depth2 += 1
     assert len(proposals) > 5 and checked_depth2 >= 3
+
+
+def test_eagle1_learns_and_decodes_exactly(tiny_target):
+    from draftsmith.heads.eagle import Eagle, EagleConfig
+    torch.manual_seed(0)
+    drafter = Eagle(EagleConfig(noise=0.0), tiny_target)
+    cases = prompts(tiny_target)
+    sequences = [p + decode(tiny_target, p, 40).tokens[:34] for p in cases]
+    ids = torch.tensor(sequences)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    batch["features"] = tiny_target.features(ids, batch["attention_mask"], drafter.required_layers)
+    first = drafter.loss(batch)
+    overfit(tiny_target, drafter, sequences)
+    last = drafter.loss(batch)
+    assert last.loss < 0.6 * first.loss and last.correct > first.correct
+    drafter.set_proposal(tree=TreeSettings(depth=3, top_k=3, total_tokens=8))
+    accepted = 0
+    for prompt in cases:
+        plain = decode(tiny_target, prompt, 40)
+        spec = decode(tiny_target, prompt, 40, drafter=drafter)
+        assert spec.tokens == plain.tokens
+        accepted += sum(spec.accepted)
+    assert accepted > 20

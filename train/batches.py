@@ -110,7 +110,7 @@ class Batches:
         self.seed = seed
 
     def __len__(self) -> int:
-        return -(-len(self.lengths) // self.batch_size)
+        return len(self.lengths) // self.batch_size
 
     def _rows(self, indices: list[int]) -> list[dict]:
         return [{key: self.rows[key][i] for key in ("input_ids", "loss_mask", "shard", "row")} for i in indices]
@@ -123,6 +123,12 @@ class Batches:
         for start in range(0, len(order), window):
             chunk = sorted(order[start:start + window], key=lambda i: self.lengths[i])
             groups.extend(chunk[i:i + self.batch_size] for i in range(0, len(chunk), self.batch_size))
+        # Only full batches: a short last batch would leave some processes without rows (and a DDP step
+        # waiting for them).  Which rows sit out changes with each epoch's shuffle.
+        groups = [g for g in groups if len(g) == self.batch_size]
+        if not groups:
+            raise ValueError(f"{len(self.lengths)} training conversations do not fill one batch of "
+                             f"{self.batch_size} (train.batch_size x processes); lower train.batch_size or make more data")
         random.Random(self.seed * 1013 + epoch).shuffle(groups)
         return EpochSampler(groups, self)
 

@@ -40,11 +40,11 @@ def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimiz
     drafter = accelerator.unwrap_model(model)
     tmp = directory.with_name(directory.name + ".tmp")
     rank_state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    weights = accelerator.get_state_dict(model)             # every rank takes part under FSDP / ZeRO-3
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "state").mkdir(parents=True)
-        metadata = {k: v for k, v in drafter.metadata.items() if k not in ("kind", "target", "drafter")}
-        save_drafter(drafter, tmp, extra=metadata)
+        save_drafter(drafter, tmp, state=weights)
         save_recipe(recipe, tmp / "recipe.yaml")
         torch.save(optimizer.state_dict(), tmp / "state" / "optimizer.pt")
         (tmp / "state" / "scheduler.json").write_text(json.dumps(_scheduler_state(scheduler)))
@@ -105,7 +105,8 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
     drafter = accelerator.unwrap_model(model)
     TargetIdentity.from_dict(read_config(found)["target"]).require_same(drafter.target_identity, f"checkpoint {found}")
     drafter.load_state_dict(load_file(str(found / WEIGHTS_FILE)), strict=True)
-    drafter.metadata.update({k: v for k, v in read_config(found).items() if k not in ("kind", "target", "drafter")})
+    from draftsmith.heads.drafter import RESERVED
+    drafter.metadata.update({k: v for k, v in read_config(found).items() if k not in RESERVED})
     optimizer.load_state_dict(torch.load(found / "state" / "optimizer.pt", weights_only=True))
     scheduler.load_state_dict(json.loads((found / "state" / "scheduler.json").read_text()))
     rng_file = found / "state" / f"rng-{accelerator.process_index}.pt"

@@ -69,9 +69,42 @@ def make_accelerator(recipe: Recipe):
         log_with = "wandb"
     elif settings.report_to == "tensorboard":
         log_with = "tensorboard"
-    return Accelerator(
+    from accelerate.utils import DataLoaderConfiguration
+
+    accelerator = Accelerator(
         mixed_precision=precision, gradient_accumulation_steps=settings.grad_accum, log_with=log_with,
+        # the sampler builds global batches (batch_size x processes) and each process takes its slice,
+        # so what a step sees does not depend on how many processes share it
+        dataloader_config=DataLoaderConfiguration(split_batches=True),
         project_config=ProjectConfiguration(project_dir=str(recipe.out), logging_dir=str(recipe.out / "logs")))
+    _check_deepspeed(accelerator, settings)
+    return accelerator
+
+
+def _check_deepspeed(accelerator, settings) -> None:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:
+        reconcile_deepspeed_config(plugin.deepspeed_config, settings, accelerator.num_processes)
+
+
+def reconcile_deepspeed_config(config: dict, settings, num_processes: int) -> dict:
+    """A DeepSpeed config must agree with the recipe's batch settings; "auto" is filled in from the recipe."""
+    for key, value, name in (("train_micro_batch_size_per_gpu", settings.batch_size, "train.batch_size"),
+                             ("gradient_accumulation_steps", settings.grad_accum, "train.grad_accum")):
+        given = config.get(key, "auto")
+        if given == "auto":
+            config[key] = value
+        elif int(given) != value:
+            raise ValueError(f"the DeepSpeed config sets {key}={given} but the recipe has {name}={value}; make "
+                             'them agree (or write "auto" in the DeepSpeed config)')
+    if config.get("gradient_clipping", "auto") == "auto":
+        config["gradient_clipping"] = settings.grad_clip
+    expected = settings.batch_size * settings.grad_accum * num_processes
+    if config.get("train_batch_size", "auto") not in ("auto", expected):
+        raise ValueError(f"the DeepSpeed config sets train_batch_size={config['train_batch_size']} but the recipe "
+                         f"gives {expected} (train.batch_size x train.grad_accum x {num_processes} processes)")
+    config["train_batch_size"] = expected
+    return config
 
 
 def build_drafter(recipe: Recipe, target: Target, train_rows):
@@ -98,10 +131,12 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
         target = Target.load(recipe.target.path, recipe.target.dtype, str(accelerator.device),
                              recipe.target.trust_remote_code)
     layers = feature_layers(recipe, target)
-    train_rows, heldout_rows, features = load_training_data(recipe, target, layers)
+    with accelerator.main_process_first():      # one process makes the data and cache; the others then read them
+        train_rows, heldout_rows, features = load_training_data(recipe, target, layers)
     torch.manual_seed(recipe.seed)      # the drafter's init must not depend on what ran before (data, checks)
     drafter = build_drafter(recipe, target, train_rows).to(accelerator.device)
-    batches = Batches(train_rows, recipe.train.batch_size, recipe.seed, features)
+    global_batch = recipe.train.batch_size * accelerator.num_processes
+    batches = Batches(train_rows, global_batch, recipe.seed, features)
     heldout = Batches(heldout_rows, recipe.train.batch_size, 0, features)
     steps_per_epoch = max(1, len(batches) // recipe.train.grad_accum)
     total_steps = math.ceil(steps_per_epoch * recipe.train.epochs)
@@ -124,7 +159,8 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
         log.info("resuming at step %d (epoch %d, batch %d)", progress_state["step"], progress_state["epoch"],
                  progress_state["batch_in_epoch"])
     if recipe.train.report_to != "none":
-        accelerator.init_trackers(recipe.train.wandb_project, config=_flat(recipe.to_dict()))
+        accelerator.init_trackers(recipe.train.wandb_project, config=_flat(recipe.to_dict()),
+                                  init_kwargs={"wandb": {"dir": str(recipe.out / "logs")}})
     report = _run(recipe, accelerator, target, model, optimizer, scheduler, batches, heldout,
                   total_steps, progress_state, checkpoint_dir, progress)
     accelerator.end_training()
@@ -222,16 +258,31 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
                 done = True
     final = validate(recipe, accelerator, target, model, heldout, state, log_path, calibrate=True)
     history.append(final)
+    weights = accelerator.get_state_dict(model)             # gathered under FSDP / ZeRO-3
     if accelerator.is_main_process:
-        extra = {"heldout": {k: v for k, v in final.items() if k.startswith("heldout")}}
-        save_drafter(drafter, checkpoint_dir, extra=_metadata_extra(drafter, extra))
+        save_drafter(drafter, checkpoint_dir, state=weights,
+                     extra={"heldout": {k: v for k, v in final.items() if k.startswith(("heldout", "eval"))}})
     return TrainReport(steps=state["step"], seconds=state["seconds"], tokens=state["tokens"], stopped_by=stopped_by,
                        heldout_agreement=final["heldout/agreement"], heldout_simulated_tau=final["heldout/simulated_tau"],
                        checkpoint=str(checkpoint_dir), history=history)
 
 
-def _metadata_extra(drafter, extra: dict) -> dict:
-    return {**{k: v for k, v in drafter.metadata.items() if k not in ("kind", "target", "drafter")}, **extra}
+@torch.no_grad()
+def decode_heldout(recipe, target, drafter, heldout) -> dict:
+    """Real speculative decoding of held-out prompts with the drafter as it is now: tau, per-position acceptance."""
+    from draftsmith.eval import metrics
+    from draftsmith.eval.verifier import decode
+
+    was_training = drafter.training
+    drafter.eval()
+    accepted: list[int] = []
+    for ids, mask in list(zip(heldout.rows["input_ids"], heldout.rows["loss_mask"]))[: recipe.train.eval_prompts]:
+        prompt = ids[: mask.index(1)] if 1 in mask else ids
+        accepted += decode(target, prompt, recipe.train.eval_max_new_tokens, drafter=drafter).accepted
+    drafter.train(was_training)
+    depth = max(accepted, default=0)
+    return {"eval/tau": metrics.tau(accepted),
+            "eval/per_position_acceptance": metrics.per_position_acceptance(accepted, max(depth, 1))}
 
 
 def _stop_reason(settings, state, total_steps) -> str | None:
@@ -248,9 +299,10 @@ def _log_window(accelerator, window, state, scheduler, log_path, progress) -> di
     agreement = (correct / counted.clamp(min=1)).tolist()
     elapsed = time.time() - window["start"]
     tokens = accelerator.reduce(torch.tensor(float(window["tokens"])), reduction="sum").item()
+    loss = accelerator.reduce(torch.tensor(window["loss"] / max(1, window["micro"])), reduction="mean").item()
     metrics = {
         "step": state["step"], "epoch": state["epoch"],
-        "train/loss": window["loss"] / max(1, window["micro"]),
+        "train/loss": loss,
         "train/simulated_tau": simulated_tau(agreement),
         "train/lr": scheduler.get_last_lr()[0],
         "train/tokens_per_second": tokens / elapsed if elapsed > 0 else 0.0,
@@ -301,8 +353,17 @@ def validate(recipe, accelerator, target, model, heldout, state, log_path, calib
         hits = accelerator.reduce(hits.to(accelerator.device), reduction="sum")
         hit_counted = accelerator.reduce(hit_counted.to(accelerator.device), reduction="sum")
         drafter.metadata["topk_accuracy"] = (hits / hit_counted.clamp(min=1)[:, None]).tolist()
-    accelerator.log({"heldout/simulated_tau": metrics["heldout/simulated_tau"],
-                     **{f"heldout/agreement_{j}": a for j, a in enumerate(agreement)}}, step=state["step"])
+    logged = {"heldout/simulated_tau": metrics["heldout/simulated_tau"],
+              **{f"heldout/agreement_{j}": a for j, a in enumerate(agreement)}}
+    if recipe.train.eval_prompts and accelerator.is_main_process:
+        metrics.update(decode_heldout(recipe, target, drafter, heldout))
+        logged.update({k: v for k, v in metrics.items() if k.startswith("eval/") and not isinstance(v, list)})
+        logged.update({f"eval/acceptance_{j}": a for j, a in enumerate(metrics["eval/per_position_acceptance"])})
+        if recipe.train.report_to == "wandb":
+            import wandb
+            rows = [[state["step"], j, a] for j, a in enumerate(metrics["eval/per_position_acceptance"])]
+            logged["eval/acceptance_table"] = wandb.Table(columns=["step", "position", "acceptance"], data=rows)
+    accelerator.log(logged, step=state["step"])
     if accelerator.is_main_process:
         with open(log_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")

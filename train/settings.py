@@ -63,6 +63,10 @@ class TrainSettings:
     """Conversations held out for evaluation and tree calibration."""
     eval_every: int = 0
     """Held-out evaluation every N steps (0: only at the end)."""
+    eval_prompts: int = 3
+    """Held-out prompts decoded with the drafter at each evaluation (real tau and per-position acceptance)."""
+    eval_max_new_tokens: int = 48
+    """Tokens generated per held-out prompt at each evaluation."""
     save_every: int = 100
     """Checkpoint (with resume state) every N steps, and always at the end."""
     log_every: int = 10
@@ -84,7 +88,7 @@ class TrainSettings:
             raise RecipeError(f"train.report_to must be none, wandb or tensorboard, got '{self.report_to}'")
         if not 0 <= self.heldout_fraction < 1:
             raise RecipeError(f"train.heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
-        for name in ("batch_size", "grad_accum", "save_every", "log_every"):
+        for name in ("batch_size", "grad_accum", "save_every", "log_every", "eval_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise RecipeError(f"train.{name} must be >= 1, got {getattr(self, name)}")
 

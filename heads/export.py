@@ -1,0 +1,125 @@
+"""`draftsmith export`: a checkpoint in the layout a serving stack loads.
+
+| format          | drafters        | layout                                                        |
+|-----------------|-----------------|---------------------------------------------------------------|
+| vllm            | medusa, eagle3  | vLLM `model_type: medusa` / `LlamaForCausalLMEagle3`          |
+| speculators     | eagle3          | vLLM's speculators config (`speculators_model_type: eagle3`)  |
+| sglang          | eagle3          | `LlamaForCausalLMEagle3` with SGLang's layer-id convention    |
+| trtllm          | eagle3          | the Hugging Face EAGLE-3 layout TensorRT-LLM / ModelOpt load  |
+| medusa-original | medusa          | FasterDecoding: medusa_lm_head.safetensors (TGI, TRT-LLM)     |
+
+Layer ids: draftsmith's are `hidden_states[i]`, the INPUT of decoder layer i.
+vLLM reads the same convention; SGLang and TensorRT-LLM read "output of layer
+i" (= our i+1), so their exports write i-1 (REFERENCE.md section 3).  Every
+export checks the tensor names and shapes against the format before writing,
+writes the ids explicitly, and leaves a README.md with the serving command.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .drafter import WEIGHTS_FILE, read_config
+
+FORMATS = ("vllm", "speculators", "sglang", "trtllm", "medusa-original")
+SUPPORTED = {"medusa": ("vllm", "medusa-original"), "eagle3": ("vllm", "speculators", "sglang", "trtllm")}
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be written in the asked format."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def expected_shapes(config: dict) -> dict[str, tuple]:
+    """The tensors a checkpoint of this config must hold, with their shapes."""
+    target = config["target"]
+    d, vocab = target["hidden_size"], target["vocab_size"]
+    arch = config["drafter"]
+    if config["kind"] == "medusa":
+        heads, layers = arch["num_heads"], arch["num_layers"]
+        draft = arch.get("draft_vocab_size") or vocab
+        shapes = {"draft_to_target": (draft,)}
+        for h in range(heads):
+            for l in range(layers):
+                shapes[f"blocks.{h}.{l}.linear.weight"] = (d, d)
+                shapes[f"blocks.{h}.{l}.linear.bias"] = (d,)
+            if arch["lm_head"] == "own":
+                shapes[f"lm_heads.{h}.weight"] = (draft, d)
+        return shapes
+    if config["kind"] == "eagle3":
+        shape = config["architecture"]
+        H, I, hd = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+        q, kv = shape["num_heads"] * hd, shape["num_kv_heads"] * hd
+        draft = shape["draft_vocab_size"]
+        return {
+            "fc.weight": (H, 3 * d), "draft_to_target": (draft,), "norm.weight": (H,), "lm_head.weight": (draft, H),
+            "midlayer.hidden_norm.weight": (H,), "midlayer.input_layernorm.weight": (H,),
+            "midlayer.post_attention_layernorm.weight": (H,),
+            "midlayer.self_attn.q_proj.weight": (q, 2 * H), "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
+            "midlayer.self_attn.v_proj.weight": (kv, 2 * H), "midlayer.self_attn.o_proj.weight": (H, q),
+            "midlayer.mlp.gate_proj.weight": (I, H), "midlayer.mlp.up_proj.weight": (I, H),
+            "midlayer.mlp.down_proj.weight": (H, I),
+        }
+    raise ExportError(f"drafter kind '{config['kind']}' has no export yet")
+
+
+def check_weights(weights: dict, config: dict, where: str) -> None:
+    expected = expected_shapes(config)
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    wrong = [f"{k}: {tuple(weights[k].shape)} != {expected[k]}" for k in sorted(set(expected) & set(weights))
+             if tuple(weights[k].shape) != tuple(expected[k])]
+    if missing or extra or wrong:
+        raise ExportError(f"{where} does not hold the tensors its config describes: missing {missing[:6]}, "
+                          f"extra {extra[:6]}, wrong shapes {wrong[:6]}; the checkpoint is damaged or mixed up")
+
+
+def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "bfloat16",
+           overwrite: bool = False, target_path: str | None = None) -> Path:
+    """Write `checkpoint` in format `fmt` to `out_dir`; returns out_dir."""
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format '{fmt}'; choose one of {', '.join(FORMATS)}")
+    config = read_config(checkpoint)
+    kind = config["kind"]
+    if fmt not in SUPPORTED.get(kind, ()):
+        raise ExportError(f"a {kind} drafter cannot be exported as '{fmt}': the formats for {kind} are "
+                          f"{', '.join(SUPPORTED.get(kind, ())) or 'none yet'}")
+    weights = load_file(str(checkpoint / WEIGHTS_FILE))
+    check_weights(weights, config, str(checkpoint))
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise ExportError(f"output directory '{out_dir}' is not empty; pass --overwrite to replace it")
+    target = _target_for(config, target_path) if _needs_target(config, fmt) or target_path else None
+    from . import export_formats
+    tensors, files = export_formats.WRITERS[(kind, fmt)](config, weights, target, _dtype(dtype), checkpoint)
+    tmp = out_dir.with_name(out_dir.name + ".tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name, content in files.items():
+        (tmp / name).write_text(content if isinstance(content, str) else json.dumps(content, indent=2) + "\n")
+    for filename, state in tensors.items():
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / filename), metadata={"format": "pt"})
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def _needs_target(config: dict, fmt: str) -> bool:
+    """Shared-head Medusa exports carry the target's lm_head; SGLang's EAGLE-3 carries its embedding."""
+    return (config["kind"] == "medusa" and config["drafter"]["lm_head"] == "shared") or fmt == "sglang"
+
+
+def _target_for(config: dict, target_path: str | None):
+    from .target import Target, TargetIdentity
+
+    target = Target.load(target_path or config.get("target_source") or config["target"]["name"], "float32")
+    TargetIdentity.from_dict(config["target"]).require_same(target.identity, "the checkpoint")
+    return target

@@ -1,0 +1,123 @@
+"""Exports: names, shapes, layer-id conventions, the Medusa-original round trip, and refusals."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.eval.verifier import decode
+from draftsmith.heads.drafter import save_drafter
+from draftsmith.heads.eagle3 import Eagle3, Eagle3Config
+from draftsmith.heads.export import ExportError, export
+from draftsmith.heads.export_formats import import_medusa_original
+from draftsmith.heads.medusa import Medusa, MedusaConfig
+from draftsmith.heads.target import Target, TargetError
+
+from conftest import build_tiny_target
+from test_verifier import prompts
+
+
+def medusa_checkpoint(target, directory, **config):
+    torch.manual_seed(0)
+    drafter = Medusa(MedusaConfig(**config), target)
+    for block in drafter.blocks:
+        torch.nn.init.normal_(block[0].linear.weight, std=0.3)
+    if config.get("draft_vocab_size"):
+        drafter.set_draft_vocabulary(torch.arange(5, 5 + config["draft_vocab_size"]))
+    save_drafter(drafter, directory)
+    return drafter
+
+
+def eagle3_checkpoint(target, directory, layer_ids=(1, 1, 2)):
+    torch.manual_seed(0)
+    drafter = Eagle3(Eagle3Config(layer_ids=list(layer_ids), draft_vocab_size=40), target)
+    drafter.set_draft_vocabulary(torch.arange(40) * 3)
+    save_drafter(drafter, directory)
+    return drafter
+
+
+def test_medusa_shared_head_with_draft_vocabulary_to_vllm(tiny_target, tmp_path):
+    medusa_checkpoint(tiny_target, tmp_path / "ckpt", num_heads=3, draft_vocab_size=32)
+    out = export(tmp_path / "ckpt", "vllm", tmp_path / "out")       # finds the target the checkpoint names
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "medusa" and config["num_heads"] == 3 and config["truncated_vocab_size"] == 32
+    assert config["original_lm_head"] is True and config["medusa_fc_bias"] is True
+    weights = load_file(str(out / "model.safetensors"))
+    assert set(weights) == {"token_map", "lm_heads.0.weight"} | {f"blocks.{h}.layers.0.{p}" for h in range(3)
+                                                               for p in ("weight", "bias")}
+    assert weights["token_map"].tolist() == list(range(5, 37))
+    assert torch.allclose(weights["lm_heads.0.weight"].float(),
+                          tiny_target.lm_head.weight[5:37].to(torch.bfloat16).float())
+    assert "vllm serve" in (out / "README.md").read_text()
+
+
+def test_medusa_original_round_trip_reproduces_tau(tiny_target, tmp_path):
+    drafter = medusa_checkpoint(tiny_target, tmp_path / "ckpt", num_heads=3, lm_head="own")
+    out = export(tmp_path / "ckpt", "medusa-original", tmp_path / "orig", dtype="float32")
+    assert json.loads((out / "config.json").read_text())["medusa_num_heads"] == 3
+    assert "0.1.weight" in load_file(str(out / "medusa_lm_head.safetensors"))
+    reloaded = import_medusa_original(out, tiny_target)
+    for d in (drafter, reloaded):
+        d.set_proposal(chain=3)
+    for prompt in prompts(tiny_target, count=3):
+        a = decode(tiny_target, prompt, 30, drafter=drafter)
+        b = decode(tiny_target, prompt, 30, drafter=reloaded)
+        assert a.tokens == b.tokens and a.accepted == b.accepted
+
+
+@pytest.mark.parametrize("fmt, written_ids", [("vllm", [1, 1, 2]), ("trtllm", [0, 0, 1]), ("sglang", [0, 0, 1])])
+def test_eagle3_layer_ids_follow_each_stack(tiny_target, tmp_path, fmt, written_ids):
+    eagle3_checkpoint(tiny_target, tmp_path / "ckpt")
+    out = export(tmp_path / "ckpt", fmt, tmp_path / fmt)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == written_ids
+    assert config["draft_vocab_size"] == 40 and config["num_hidden_layers"] == 1
+    weights = load_file(str(out / "model.safetensors"))
+    assert (torch.arange(40) + weights["d2t"]).tolist() == (torch.arange(40) * 3).tolist()
+    assert weights["t2d"].sum() == 40 and weights["t2d"][3] and not weights["t2d"][4]
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "midlayer.self_attn.q_proj.weight",
+            "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight"} <= set(weights)
+    assert weights["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * tiny_target.hidden_size
+    assert ("embed_tokens.weight" in weights) == (fmt == "sglang")
+
+
+def test_eagle3_speculators_config_states_norm_before_residual(tiny_target, tmp_path):
+    eagle3_checkpoint(tiny_target, tmp_path / "ckpt")
+    out = export(tmp_path / "ckpt", "speculators", tmp_path / "spec")
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["norm_before_residual"] is False
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] >= 1
+    assert "layers.0.self_attn.q_proj.weight" in load_file(str(out / "model.safetensors"))
+
+
+def test_export_refusals(tiny_target, tmp_path):
+    medusa_checkpoint(tiny_target, tmp_path / "two", num_heads=2, num_layers=2, lm_head="own")
+    with pytest.raises(ExportError, match="load exactly one"):
+        export(tmp_path / "two", "medusa-original", tmp_path / "x")
+    with pytest.raises(ExportError, match="unknown export format 'onnx'"):
+        export(tmp_path / "two", "onnx", tmp_path / "x")
+    with pytest.raises(ExportError, match="cannot be exported as 'sglang'"):
+        export(tmp_path / "two", "sglang", tmp_path / "x")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="not empty; pass --overwrite"):
+        export(tmp_path / "two", "vllm", tmp_path / "busy")
+    assert (tmp_path / "busy" / "keep.txt").read_text() == "mine"
+    eagle3_checkpoint(tiny_target, tmp_path / "e0", layer_ids=(0, 1, 2))
+    with pytest.raises(ExportError, match="layer id 0"):
+        export(tmp_path / "e0", "sglang", tmp_path / "x")
+
+
+def test_damaged_checkpoint_and_wrong_target_are_refused(tiny_target, tmp_path):
+    medusa_checkpoint(tiny_target, tmp_path / "ckpt", num_heads=2, lm_head="own")
+    weights = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    weights["stray.weight"] = torch.zeros(2)
+    del weights["blocks.1.0.linear.bias"]
+    save_file(weights, str(tmp_path / "ckpt" / "model.safetensors"))
+    with pytest.raises(ExportError, match=r"missing \['blocks.1.0.linear.bias'\], extra \['stray.weight'\]"):
+        export(tmp_path / "ckpt", "vllm", tmp_path / "out")
+    medusa_checkpoint(tiny_target, tmp_path / "good", num_heads=2, lm_head="own")
+    other = build_tiny_target(tmp_path / "other", seed=11)
+    with pytest.raises(TargetError, match="weights_sha256"):
+        export(tmp_path / "good", "vllm", tmp_path / "out", target_path=str(other))

