@@ -43,6 +43,18 @@ def cache_dir(data_dir: Path, layers) -> Path:
     return Path(data_dir) / "features" / layers_key(layers)
 
 
+def existing_superset(data_dir: Path, layers) -> Path | None:
+    """A cache directory already holding at least these layers for every shard, if there is one."""
+    wanted = set(layers)
+    for directory in sorted((Path(data_dir) / "features").glob("L*")):
+        have = {int(i) for i in directory.name[1:].split("-") if i}
+        if wanted <= have and directory != cache_dir(data_dir, layers):
+            shards = len(list((Path(data_dir) / "shards").glob("shard-*.jsonl")))
+            if len(list(directory.glob("shard-*.safetensors"))) == shards:
+                return directory
+    return None
+
+
 def estimate_bytes(tokens: int, layers, hidden_size: int) -> int:
     return tokens * len(set(layers)) * hidden_size * BYTES_PER_VALUE
 
@@ -63,7 +75,7 @@ def write_shard(path: Path, per_record: list[torch.Tensor], layers, target_hash:
 
 
 class ShardReader:
-    """Random access to the records of one cache file (memory-mapped)."""
+    """Random access to the records of one cache file (memory-mapped); `layers` are the ones it holds."""
 
     def __init__(self, path: Path, layers, target_hash: str, verify: bool = True):
         self.path = path

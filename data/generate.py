@@ -36,25 +36,11 @@ def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int
     capture_layers = sorted(set(capture_layers))
     device = target.device
     batch = len(prompts)
-    longest = max(len(p) for p in prompts)
-    ids = torch.full((batch, longest), 0, dtype=torch.long, device=device)
-    valid = torch.zeros(batch, longest, dtype=torch.bool, device=device)
-    positions = torch.zeros(batch, longest, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        pad = longest - len(prompt)
-        ids[row, pad:] = torch.tensor(prompt, device=device)
-        valid[row, pad:] = True
-        positions[row, pad:] = torch.arange(len(prompt), device=device)
-    cache = target.new_cache(batch, longest + max_new_tokens)
-    prompt_features = []                                 # [batch, chunk, layers, d] per prefill chunk
-    for start in range(0, longest, PREFILL_CHUNK):
-        chunk = slice(start, start + PREFILL_CHUNK)
-        out = target.forward_block(cache, ids[:, chunk], positions[:, chunk], valid=valid[:, chunk], logits="last",
-                                   layer_ids=capture_layers)
-        if capture_layers:
-            prompt_features.append(_stack(out, capture_layers))
+    prefilled = _prefill(target, prompts, max_new_tokens, capture_layers)
+    cache, out, positions, prompt_features = (prefilled.cache, prefilled.last, prefilled.positions,
+                                              prefilled.features)
+    longest = positions.shape[1]
     step_features = []                                   # (rows, [live, layers, d]) per decode step
-
     stop_ids = torch.tensor(target.eos_token_ids, device=device)
     rows = torch.arange(batch, device=device)          # [live] which prompt each live row continues
     next_pos = positions[:, -1] + 1                     # [live]
@@ -90,6 +76,37 @@ def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int
     if capture_layers:
         _attach_features(results, prompts, longest, prompt_features, step_features)
     return results
+
+
+@dataclass
+class Prefilled:
+    cache: object                  # EngineCache holding the prompts
+    last: object                   # BlockOutput of the last chunk (its last logits start decoding)
+    positions: torch.Tensor        # [b, longest] position ids (0 on padding)
+    features: list                 # per chunk [b, chunk, layers, d] when capturing
+
+
+def _prefill(target: Target, prompts: list[list[int]], max_new_tokens: int, capture_layers) -> Prefilled:
+    """Left-pad the prompts into one batch and run them through the engine in chunks."""
+    device = target.device
+    batch, longest = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((batch, longest), 0, dtype=torch.long, device=device)
+    valid = torch.zeros(batch, longest, dtype=torch.bool, device=device)
+    positions = torch.zeros(batch, longest, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        pad = longest - len(prompt)
+        ids[row, pad:] = torch.tensor(prompt, device=device)
+        valid[row, pad:] = True
+        positions[row, pad:] = torch.arange(len(prompt), device=device)
+    cache = target.new_cache(batch, longest + max_new_tokens)
+    features = []                                        # [batch, chunk, layers, d] per prefill chunk
+    for start in range(0, longest, PREFILL_CHUNK):
+        chunk = slice(start, start + PREFILL_CHUNK)
+        out = target.forward_block(cache, ids[:, chunk], positions[:, chunk], valid=valid[:, chunk], logits="last",
+                                   layer_ids=capture_layers)
+        if capture_layers:
+            features.append(_stack(out, capture_layers))
+    return Prefilled(cache, out, positions, features)
 
 
 def _stack(out, layers) -> torch.Tensor:

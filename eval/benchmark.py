@@ -5,7 +5,7 @@ of them alike): plain decoding through draftsmith's engine, speculative
 decoding, and the transformers baselines asked for (`generate`, and its
 prompt-lookup decoding).  Same prompts, dtype, threads and max tokens.
 
-Exactness is judged in fp32 (ISSUE: in bf16 a forward over several tokens
+Exactness is judged in fp32 (in bf16 a forward over several tokens
 rounds differently from a forward over one, so a bf16 speculative run may
 flip a near-tie that plain bf16 decoding resolves the other way): speculative
 greedy must equal plain greedy token for token in fp32.  The bf16 agreement
@@ -23,7 +23,6 @@ from draftsmith.data import sources
 from draftsmith.data.chat import prompt_ids
 from draftsmith.heads.drafter import load_drafter
 from draftsmith.heads.target import Target, resolve_dtype
-from draftsmith.heads.tree import TreeShape
 from . import metrics
 from .verifier import decode
 
@@ -49,6 +48,7 @@ class EvalOptions:
     seed: int = 0
     cost_per_hour: float | None = None
     target_path: str | None = None     # default: the one the checkpoint names
+    tree_depth_topk_total: tuple | None = None   # a dynamic tree, when one was chosen (the fp32 check reuses it)
 
 
 @dataclass
@@ -119,6 +119,8 @@ def configure_proposal(drafter, target: Target, options: EvalOptions) -> str:
     elif hasattr(drafter, "default_tree"):        # static trees (Medusa)
         options.tree_size = options.tree_size or tune_tree_size(drafter, target)   # the fp32 check reuses it
         drafter.set_proposal(tree=drafter.default_tree(options.tree_size))
+    elif options.tree_size is None and options.proposal == "default":   # dynamic trees: measured here
+        drafter.set_proposal(tree=tune_dynamic_tree(drafter, target, options))
     else:
         drafter.set_proposal(tree_size=options.tree_size)
     return drafter.describe_proposal()
@@ -152,6 +154,31 @@ def tune_tree_size(drafter, target: Target) -> int:
                if rates else -s)
     log.info("tree size %d (forward costs: %s)", best, {k - 1: round(v * 1000, 1) for k, v in costs.items()})
     return best
+
+
+DYNAMIC_TREES = [(2, 1, 2), (3, 1, 3), (4, 1, 4), (5, 1, 5), (3, 2, 6), (4, 3, 10), (4, 4, 14), (5, 8, 32)]
+
+
+def tune_dynamic_tree(drafter, target: Target, options: EvalOptions):
+    """The (depth, top_k, total_tokens) with the most tokens/s on a calibration prompt, measured on this machine.
+
+    The drafter's own default joins the candidates.  Costs a few seconds; the calibration
+    prompt is MT-bench's first, decoded for 48 tokens per candidate."""
+    from draftsmith.heads.dynamic_tree import TreeSettings
+
+    prompt = load_prompts(target, "mt-bench", 1)[0][1]
+    default = drafter.config.tree
+    candidates = DYNAMIC_TREES + [(default["depth"], default["top_k"], default["total_tokens"])]
+    rates = {}
+    for depth, top_k, total in dict.fromkeys(candidates):
+        drafter.set_proposal(tree=TreeSettings(depth, top_k, total))
+        run = decode(target, prompt, 48, drafter)
+        rates[(depth, top_k, total)] = len(run.tokens) / run.seconds
+    best = max(rates, key=rates.get)
+    log.info("dynamic tree %s (tokens/s by (depth, top_k, total): %s)", best,
+             {k: round(v, 1) for k, v in rates.items()})
+    options.tree_depth_topk_total = best
+    return TreeSettings(*best)
 
 
 def _time_generate(target: Target, prompt: list[int], max_new_tokens: int, lookup: bool) -> tuple[float, list[int]]:
@@ -205,7 +232,11 @@ def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOpt
     """fp32: speculative greedy equals plain greedy token for token.  Returns (exact, first mismatch id)."""
     target32 = Target.load(target_path, "float32")
     drafter32 = load_drafter(checkpoint, target32).float()
-    configure_proposal(drafter32, target32, options)
+    if options.tree_depth_topk_total and options.proposal != "chain":
+        from draftsmith.heads.dynamic_tree import TreeSettings
+        drafter32.set_proposal(tree=TreeSettings(*options.tree_depth_topk_total))
+    else:
+        configure_proposal(drafter32, target32, options)
     for prompt_id, prompt in prompts[:count]:
         plain = decode(target32, prompt, options.max_new_tokens)
         spec = decode(target32, prompt, options.max_new_tokens, drafter32)

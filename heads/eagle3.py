@@ -32,6 +32,15 @@ from .target import Target
 
 
 @dataclass
+class TargetDistribution:
+    """The target's next-token distribution where the loss needs it."""
+
+    index: torch.Tensor       # [b, s] row into probs for position j (predicting token j+1), -1 where unused
+    probs: torch.Tensor       # [m, v] over the draft vocabulary
+    in_vocab: torch.Tensor    # [m] the target's argmax is a draft-vocabulary token
+
+
+@dataclass
 class Eagle3Config:
     layer_ids: list[int] | None = None
     """Fused target layers (hidden_states ids); default [2, N//2, N-3]."""
@@ -164,9 +173,9 @@ class Eagle3(EagleDecoding, nn.Module):
         return self.loss(batch)
 
     @torch.no_grad()
-    def _target_distribution(self, batch: dict):
+    def _target_distribution(self, batch: dict) -> TargetDistribution:
         """At every position j whose next token is a reply token: the target's distribution over the
-        draft vocabulary and whether its argmax is in it.  Returns (row index [b, s], probs [m, v], ok [m])."""
+        draft vocabulary and whether its argmax is in it."""
         final = batch["features"][self.target.num_layers]                         # [b, s, T]
         wanted = F.pad(batch["loss_mask"][:, 1:], (0, 1)).bool()                   # j predicts token j+1
         index = torch.full(wanted.shape, -1, dtype=torch.long, device=final.device)
@@ -177,7 +186,8 @@ class Eagle3(EagleDecoding, nn.Module):
             ok.append(self._target_to_draft[logits.argmax(-1)] >= 0)
             probs.append(torch.softmax(logits[:, self.draft_to_target], dim=-1))
         empty = final.new_zeros(0, self.draft_to_target.numel(), dtype=torch.float32)
-        return index, (torch.cat(probs) if probs else empty), (torch.cat(ok) if ok else empty[:, 0].bool())
+        return TargetDistribution(index, torch.cat(probs) if probs else empty,
+                                  torch.cat(ok) if ok else empty[:, 0].bool())
 
     def unroll(self, batch: dict):
         """Training-time test: the drafter's hidden output at every position for each step s: [b, s, H] each.
@@ -195,19 +205,19 @@ class Eagle3(EagleDecoding, nn.Module):
 
     def loss(self, batch: dict) -> StepOutput:
         """Sum over unrolled steps s of decay^s * soft-CE(target at t+1+s, drafter at t, step s)."""
-        index, target_probs, in_vocab = self._target_distribution(batch)
+        target = self._target_distribution(batch)
         device = batch["input_ids"].device
         steps = self.config.ttt_steps
         total = torch.zeros((), device=device)
         correct = torch.zeros(steps, device=device)
         counted = torch.zeros(steps, device=device)
         for step, hidden in enumerate(self.unroll(batch)):
-            rows = F.pad(index[:, 1 + step:], (0, 1 + step), value=-1)            # target at t+1+s
+            rows = F.pad(target.index[:, 1 + step:], (0, 1 + step), value=-1)     # target at t+1+s
             scored = rows >= 0
             if not scored.any():
                 continue
-            probs = target_probs[rows[scored]]                                      # [m, v]
-            ok = in_vocab[rows[scored]]
+            probs = target.probs[rows[scored]]                                      # [m, v]
+            ok = target.in_vocab[rows[scored]]
             log_q = torch.log_softmax(self.logits(hidden[scored]).float(), dim=-1)
             per_position = -(probs * log_q).sum(-1) * ok
             total = total + (self.config.loss_decay ** step) * per_position.sum() / scored.sum()

@@ -19,6 +19,7 @@ Shape notation: b batch, s sequence, n new tokens, d head dim, h heads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +102,12 @@ def ttt_mask(seq_len: int, step: int) -> torch.Tensor:
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
 
+class Projected(NamedTuple):
+    query: torch.Tensor       # [b, h, n, d], rotated
+    key: torch.Tensor         # [b, hk, n, d], rotated
+    value: torch.Tensor       # [b, hk, n, d]
+
+
 class DraftAttention(nn.Module):
     def __init__(self, shape: LayerShape, input_size: int):
         super().__init__()
@@ -111,14 +118,14 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(input_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, shape.hidden_size, bias=False)
 
-    def _qkv(self, x, cos, sin):
+    def _qkv(self, x, cos, sin) -> Projected:
         b, n, _ = x.shape
         d = self.shape.head_dim
         q = self.q_proj(x).view(b, n, -1, d).transpose(1, 2)             # [b, h, n, d]
         k = self.k_proj(x).view(b, n, -1, d).transpose(1, 2)             # [b, hk, n, d]
         v = self.v_proj(x).view(b, n, -1, d).transpose(1, 2)
         q, k = rotate(q, k, cos, sin)
-        return q, k, v
+        return Projected(q, k, v)
 
     def cached(self, x: torch.Tensor, cos, sin, cache: EngineCache) -> torch.Tensor:
         """x: [b, n, in] -> [b, n, H], attending over the cache (whose mask the caller prepared)."""

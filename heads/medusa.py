@@ -186,8 +186,13 @@ class Medusa(nn.Module):
         return StepOutput(loss=total, correct=correct, counted=counted)
 
     @torch.no_grad()
-    def topk_hits(self, batch: dict, top: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-        """Held-out calibration for trees: hits [k, top] (rank-r candidate of head k was right), counted [k]."""
+    def topk_hits(self, batch: dict | None, top: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out calibration for trees: hits [k, top] (rank-r candidate of head k was right), counted [k].
+
+        Without a batch (a process whose share of the held-out set is empty) both are zeros, so every
+        process takes part in the sum across processes."""
+        if batch is None:
+            return torch.zeros(len(self.blocks), min(top, len(self.draft_to_target))), torch.zeros(len(self.blocks))
         hidden = batch["features"][self.target.num_layers]
         loss_mask = batch["loss_mask"].bool()
         k_heads = len(self.blocks)

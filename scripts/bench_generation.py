@@ -27,6 +27,7 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--capture", type=int, nargs="*", default=[], help="layer ids to capture as features")
     parser.add_argument("--hf", action="store_true", help="also time transformers' generate on the same batches")
+    parser.add_argument("--vllm", action="store_true", help="also time the vLLM data backend on the same batches")
     args = parser.parse_args()
 
     target = Target.load(args.target, args.dtype)
@@ -59,11 +60,20 @@ def main():
                 out = target.model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
                                             do_sample=False, eos_token_id=target.eos_token_ids,
                                             pad_token_id=target.eos_token_ids[0])
-                new = out[:, longest:]
-                hf_generated += int(sum(((row != target.eos_token_ids[0]).cumsum(0) == torch.arange(1, len(row) + 1)).sum() + (row == target.eos_token_ids[0]).any()
-                                        for row in new))
+                for row in out[:, longest:].tolist():      # up to and including the first stop token
+                    stop = next((i for i, t in enumerate(row) if t in target.eos_token_ids), len(row) - 1)
+                    hf_generated += stop + 1
             hf_seconds = time.perf_counter() - start
             line += f" | transformers generate {hf_generated / hf_seconds:7.1f} tok/s ({hf_seconds:.0f}s)"
+        if args.vllm:
+            from draftsmith.data import vllm_backend
+            vllm_backend.generate_batch(target, prompts[:2], 4)                      # engine start-up, untimed
+            v_generated, start = 0, time.perf_counter()
+            for i in range(0, len(prompts), batch_size):
+                outs = vllm_backend.generate_batch(target, prompts[i:i + batch_size], args.max_new_tokens)
+                v_generated += sum(len(o.token_ids) for o in outs)
+            v_seconds = time.perf_counter() - start
+            line += f" | vLLM backend {v_generated / v_seconds:7.1f} tok/s ({v_seconds:.0f}s)"
         print(line, flush=True)
 
 

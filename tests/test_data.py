@@ -198,3 +198,22 @@ def test_data_generation_killed_and_restarted_loses_and_duplicates_nothing(tiny_
     assert [r["id"] for r in resumed] == [r["id"] for r in whole]          # nothing lost, nothing twice
     assert resumed == whole                                                 # sampling is seeded per batch
     assert not list(shards.glob("*.tmp*"))
+
+
+@pytest.mark.parametrize("mode", ["skip", "truncate"])
+def test_prompts_longer_than_the_maximum_are_skipped_or_truncated_and_counted(tiny_target, tmp_path, mode):
+    words = "the time is one of the day and the night of water".split()
+    rows = [{"id": "short", "messages": [{"role": "user", "content": "the day"}]},
+            {"id": "long", "messages": [{"role": "user", "content": " ".join(words * 12)}]}]
+    source = tmp_path / "c.jsonl"
+    source.write_text("\n".join(json.dumps(r) for r in rows))
+    settings = DataSettings(source=str(source), max_conversations=None, batch_size=2, max_new_tokens=8,
+                            max_prompt_tokens=40, long_prompts=mode)
+    report = make_data(tiny_target, settings, tmp_path / mode, seed=0, progress=False)
+    if mode == "skip":
+        assert report.skipped_long_prompts == 1 and report.truncated_prompts == 0 and report.conversations == 1
+    else:
+        assert report.truncated_prompts == 1 and report.skipped_long_prompts == 0 and report.conversations == 2
+        from draftsmith.data.distill import read_shard, shard_paths
+        long = next(r for s in shard_paths(tmp_path / mode) for r in read_shard(s) if r["id"] == "long")
+        assert long["loss_mask"].index(1) <= 40                    # the prompt part fits the maximum

@@ -42,9 +42,8 @@ def test_efficient_ttt_attention_equals_dense_masked_attention(tiny_target):
     # dense reference: all steps' keys side by side, ttt_mask (and padding) deciding visibility
     groups = attention.shape.num_heads // attention.shape.num_kv_heads
     for step, x in enumerate(inputs):
-        q = past[step][0].new_zeros(0)
         cos, sin = drafter.rotary(x, positions + step)
-        q, _, _ = attention._qkv(x, cos, sin)
+        q = attention._qkv(x, cos, sin).query
         keys = torch.cat([k for k, _ in past[: step + 1]], dim=2).repeat_interleave(groups, 1)
         values = torch.cat([v for _, v in past[: step + 1]], dim=2).repeat_interleave(groups, 1)
         mask = ttt_mask(s, step)[None, None] & valid.repeat(1, step + 1)[:, None, None, :]
@@ -198,3 +197,16 @@ def test_eagle1_learns_and_decodes_exactly(tiny_target):
         assert spec.tokens == plain.tokens
         accepted += sum(spec.accepted)
     assert accepted > 20
+
+
+def test_eagle3_cached_and_online_features_give_the_same_loss(tiny_target):
+    """The cache stores bf16; the same batch with bf16-rounded features gives the same loss as online."""
+    torch.manual_seed(0)
+    drafter = Eagle3(Eagle3Config(draft_vocab_size=64, layer_ids=[0, 1, 2], ttt_steps=3), tiny_target)
+    ids = torch.tensor(prompts(tiny_target, count=2, length=16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    online = tiny_target.features(ids, batch["attention_mask"], drafter.required_layers)
+    cached = {i: f.to(torch.bfloat16).float() for i, f in online.items()}
+    a = drafter.loss({**batch, "features": online})
+    b = drafter.loss({**batch, "features": cached})
+    assert torch.allclose(a.loss, b.loss, rtol=1e-2) and torch.equal(a.counted, b.counted)

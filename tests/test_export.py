@@ -11,7 +11,7 @@ from draftsmith.heads.eagle3 import Eagle3, Eagle3Config
 from draftsmith.heads.export import ExportError, export
 from draftsmith.heads.export_formats import import_medusa_original
 from draftsmith.heads.medusa import Medusa, MedusaConfig
-from draftsmith.heads.target import Target, TargetError
+from draftsmith.heads.target import TargetError
 
 from conftest import build_tiny_target
 from test_verifier import prompts

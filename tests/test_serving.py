@@ -51,6 +51,8 @@ def vllm_python() -> str:
         # torchvision whenever it is installed; a text-only engine needs none of them.
         subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio",
                         "torchcodec"], check=True)
+        # draftsmith beside vLLM (its transformers pin is inside draftsmith's range), for data.backend=vllm
+        subprocess.run(pip + ["-e", str(REPO)], check=True)
         stamp.touch()
     return str(python)
 
@@ -113,3 +115,35 @@ def test_vllm_serves_the_export_and_accepts_what_draftsmith_measures(
           + "  |  vLLM " + " ".join(f"{a:.3f}" for a in their_positions))
     assert sum(accepted) > 0, "nothing was accepted: the check would prove nothing"
     assert abs(theirs - ours) <= 0.05 * ours
+
+
+DATA_RECIPE = {"method": "medusa", "seed": 3, "target": {"path": "smollm2-135m", "dtype": "float32"},
+               "data": {"source": "mt-bench", "max_conversations": 8, "batch_size": 4, "max_new_tokens": 32},
+               "drafter": {"num_heads": 2, "draft_vocab_size": None}}
+
+
+def test_vllm_data_backend_writes_what_the_transformers_backend_writes(vllm_python, tmp_path):
+    import yaml
+    from draftsmith.data.distill import read_shard, shard_paths
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(DATA_RECIPE))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    for python, backend in ((sys.executable, "transformers"), (vllm_python, "vllm")):
+        done = subprocess.run([python, "-m", "draftsmith", "data", str(recipe), f"output_dir={tmp_path / backend}",
+                               f"data.backend={backend}"], env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+    records = {b: [r for s in shard_paths(tmp_path / b / "data") for r in read_shard(s)]
+               for b in ("transformers", "vllm")}
+    assert [r["id"] for r in records["vllm"]] == [r["id"] for r in records["transformers"]]
+    for a, b in zip(records["transformers"], records["vllm"]):
+        assert set(a) == set(b) and len(a["input_ids"]) == len(a["loss_mask"])
+        assert a["loss_mask"].index(1) == b["loss_mask"].index(1)            # the same prompt, rendered the same
+    same = sum(a["input_ids"] == b["input_ids"] for a, b in zip(records["transformers"], records["vllm"]))
+    assert same >= 6, f"greedy fp32 replies agree on only {same} of 8 prompts"
+    # resumable: a second run finds every shard and changes nothing
+    before = {p.name: p.read_bytes() for p in shard_paths(tmp_path / "vllm" / "data")}
+    done = subprocess.run([vllm_python, "-m", "draftsmith", "data", str(recipe), f"output_dir={tmp_path / 'vllm'}",
+                           "data.backend=vllm"], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in shard_paths(tmp_path / "vllm" / "data")} == before

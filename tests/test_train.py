@@ -58,9 +58,10 @@ def test_training_end_to_end_writes_a_checkpoint_that_reloads(tiny_target_dir, t
     recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_target_dir, epochs=4))
     report = fit(recipe, progress=False)
     from draftsmith.train.batches import load_training_data
-    train_rows, heldout_rows, _ = load_training_data(recipe, Target.load(str(tiny_target_dir), "float32"))
+    data = load_training_data(recipe, Target.load(str(tiny_target_dir), "float32"))
+    train_rows, heldout_rows = data.train, data.heldout
     assert len(train_rows["id"]) + len(heldout_rows["id"]) == 40 and len(heldout_rows["id"]) > 0
-    assert report.steps == 4 * -(-len(train_rows["id"]) // 4) and report.stopped_by == "epochs"   # 4 epochs
+    assert report.steps == 4 * (len(train_rows["id"]) // 4) and report.stopped_by == "epochs"   # full batches, 4 epochs
     losses = [h["train/loss"] for h in report.history if "train/loss" in h]
     assert losses[-1] < 0.75 * losses[0]                                   # it learns ...
     assert report.heldout_agreement[0] > 0.2                               # ... what the target says
@@ -172,12 +173,28 @@ def test_cached_and_online_features_give_the_same_loss(tiny_target_dir, tmp_path
     recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_target_dir))
     target = Target.load(str(tiny_target_dir), "float32")
     layers = (target.num_layers,)
-    train_rows, _, source = load_training_data(recipe, target, layers)
-    assert source is not None
-    batch = Batches(train_rows, 4, 0, source).in_order()[0]
+    data = load_training_data(recipe, target, layers)
+    assert data.features is not None
+    batch = Batches(data.train, 4, 0, data.features).in_order()[0]
     torch.manual_seed(0)
     drafter = Medusa(recipe.drafter, target)
     cached = drafter.loss({**batch, "features": {i: f.float() for i, f in batch["features"].items()}})
     online = drafter.loss({**batch, "features": target.features(batch["input_ids"], batch["attention_mask"], layers)})
     assert torch.allclose(cached.loss, online.loss, rtol=1e-2)        # the cache stores bf16
     assert torch.equal(cached.counted, online.counted)
+
+
+def test_a_cache_with_more_layers_serves_a_drafter_that_needs_fewer(tiny_target_dir, tmp_path):
+    from draftsmith.train.batches import load_training_data
+    target = Target.load(str(tiny_target_dir), "float32")
+    recipe = recipe_from_dict(tiny_recipe(tmp_path, tiny_target_dir))
+    from draftsmith.data.distill import make_data
+    make_data(target, recipe.data, tmp_path / "run" / "data", 0, progress=False,
+              capture_layers=(0, 1, 2))                                 # EAGLE-3-like layers, cached
+    data = load_training_data(recipe, target, (2,))                     # Medusa's: no second cache
+    assert sorted(p.name for p in (tmp_path / "run" / "data" / "features").iterdir()) == ["L0-1-2"]
+    batch = data.features.batch([{k: data.train[k][0] for k in ("input_ids", "shard", "row")}], 40)
+    assert list(batch) == [2]
+    expected = target.features(torch.tensor([data.train["input_ids"][0]]), None, [2])[2]
+    n = len(data.train["input_ids"][0])
+    assert torch.allclose(batch[2][0, : n - 1].float(), expected[0, : n - 1], atol=0.03, rtol=0.02)

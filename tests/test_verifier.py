@@ -1,5 +1,4 @@
 """Lossless means lossless: greedy speculative output == plain greedy; sampling keeps the target's distribution."""
-import itertools
 
 import pytest
 import torch

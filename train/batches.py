@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import random
+from dataclasses import dataclass
 
 import torch
 
@@ -36,7 +37,14 @@ def make_recipe_data(recipe, target: Target, progress: bool = True):
     return make_data(target, recipe.data, recipe.out / "data", recipe.seed, progress=progress, capture_layers=layers)
 
 
-def load_training_data(recipe, target: Target, layers=()) -> tuple[dict, dict, "FeatureSource | None"]:
+@dataclass
+class TrainingData:
+    train: dict                        # columns: id, input_ids, loss_mask, shard, row
+    heldout: dict
+    features: "FeatureSource | None"   # the cache, when train.features is 'cache'
+
+
+def load_training_data(recipe, target: Target, layers=()) -> TrainingData:
     """output_dir/data (made first if missing), split into train and held-out columns, and the
     feature cache for `layers` when train.features is 'cache' (missing or broken shards are built)."""
     import datasets
@@ -53,9 +61,14 @@ def load_training_data(recipe, target: Target, layers=()) -> tuple[dict, dict, "
     TargetIdentity.from_dict(manifest["target"]).require_same(target.identity, f"the data in {data_dir}")
     source = None
     if use_cache:
-        cache = feature_cache.cache_dir(data_dir, layers)
-        feature_cache.build_missing(target, shard_paths(data_dir), layers, cache)
-        source = FeatureSource(cache, layers, target.identity.weights_sha256)
+        superset = feature_cache.existing_superset(data_dir, layers)
+        if superset is not None:          # a cache made for another drafter holds these layers too
+            stored = [int(i) for i in superset.name[1:].split("-")]
+            source = FeatureSource(superset, stored, target.identity.weights_sha256, wanted=layers)
+        else:
+            cache = feature_cache.cache_dir(data_dir, layers)
+            feature_cache.build_missing(target, shard_paths(data_dir), layers, cache)
+            source = FeatureSource(cache, layers, target.identity.weights_sha256)
     table = datasets.load_from_disk(str(data_dir / "tokenized"))
     columns = {k: table[k] for k in ("id", "input_ids", "loss_mask", "shard", "row")}
     heldout = [_is_heldout(i, recipe.seed, recipe.train.heldout_fraction) for i in columns["id"]]
@@ -65,17 +78,18 @@ def load_training_data(recipe, target: Target, layers=()) -> tuple[dict, dict, "
     held = {k: [v for v, h in zip(vals, heldout) if h] for k, vals in columns.items()}
     if not train["id"]:
         raise ValueError(f"no training conversations in {data_dir}: make more data (data.max_conversations)")
-    return train, held, source
+    return TrainingData(train, held, source)
 
 
 class FeatureSource:
     """Cached hidden states by (shard, row), memory-mapped; every file is checked once when opened."""
 
-    def __init__(self, directory, layers, target_hash: str):
+    def __init__(self, directory, layers, target_hash: str, wanted=None):
         from draftsmith.data.features import ShardReader
 
         self.directory = directory
-        self.layers = sorted(set(layers))
+        self.layers = sorted(set(layers))                          # stored in the files
+        self.wanted = sorted(set(wanted)) if wanted else self.layers  # handed to the drafter
         self.readers = {}
         for path in sorted(directory.glob("shard-*.safetensors")):
             self.readers[path.stem] = ShardReader(path, self.layers, target_hash, verify=True)
@@ -91,7 +105,7 @@ class FeatureSource:
         out = first.new_zeros(len(rows), longest, len(self.layers), first.shape[-1])
         for i, feats in enumerate(parts):
             out[i, : feats.shape[0]] = feats
-        return {layer: out[:, :, j] for j, layer in enumerate(self.layers)}
+        return {layer: out[:, :, self.layers.index(layer)] for layer in self.wanted}
 
 
 def _is_heldout(conv_id: str, seed: int, fraction: float) -> bool:

@@ -12,18 +12,18 @@ non-finite loss stops the run and keeps the last good checkpoint.
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from draftsmith.eval.metrics import simulated_tau
-from draftsmith.heads.drafter import read_config, registry, save_drafter
+from draftsmith.heads.drafter import registry, save_drafter
 from draftsmith.heads.target import Target, resolve_dtype
 from .batches import Batches, feature_layers, load_training_data
 from .checkpointing import load_state, save_checkpoint
@@ -69,8 +69,13 @@ def make_accelerator(recipe: Recipe):
         log_with = "wandb"
     elif settings.report_to == "tensorboard":
         log_with = "tensorboard"
+    from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DataLoaderConfiguration
 
+    # accelerate keeps one process-wide state; a second fit() in the same process (a notebook, a sweep)
+    # may ask for another precision, so the per-run part is cleared (the process group is kept)
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
     accelerator = Accelerator(
         mixed_precision=precision, gradient_accumulation_steps=settings.grad_accum, log_with=log_with,
         # the sampler builds global batches (batch_size x processes) and each process takes its slice,
@@ -132,12 +137,12 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
                              recipe.target.trust_remote_code)
     layers = feature_layers(recipe, target)
     with accelerator.main_process_first():      # one process makes the data and cache; the others then read them
-        train_rows, heldout_rows, features = load_training_data(recipe, target, layers)
+        data = load_training_data(recipe, target, layers)
     torch.manual_seed(recipe.seed)      # the drafter's init must not depend on what ran before (data, checks)
-    drafter = build_drafter(recipe, target, train_rows).to(accelerator.device)
+    drafter = build_drafter(recipe, target, data.train).to(accelerator.device)
     global_batch = recipe.train.batch_size * accelerator.num_processes
-    batches = Batches(train_rows, global_batch, recipe.seed, features)
-    heldout = Batches(heldout_rows, recipe.train.batch_size, 0, features)
+    batches = Batches(data.train, global_batch, recipe.seed, data.features)
+    heldout = Batches(data.heldout, recipe.train.batch_size, 0, data.features)
     steps_per_epoch = max(1, len(batches) // recipe.train.grad_accum)
     total_steps = math.ceil(steps_per_epoch * recipe.train.epochs)
     if recipe.train.max_steps:
@@ -163,6 +168,11 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
                                   init_kwargs={"wandb": {"dir": str(recipe.out / "logs")}})
     report = _run(recipe, accelerator, target, model, optimizer, scheduler, batches, heldout,
                   total_steps, progress_state, checkpoint_dir, progress)
+    # the DDP wrapper (and its gradient reducer) must go before end_training() destroys the process group:
+    # freed afterwards, the reducer holds the last reference and gloo's teardown deadlocks on the GIL
+    del model, optimizer, scheduler
+    accelerator.free_memory()
+    gc.collect()
     accelerator.end_training()
     return report
 
@@ -213,21 +223,8 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
         loader = accelerator.prepare(batches.epoch(state["epoch"]).loader())
         skipped = accelerator.skip_first_batches(loader, state["batch_in_epoch"]) if state["batch_in_epoch"] else loader
         for batch in skipped:
-            model.train()
-            with accelerator.accumulate(model):
-                batch["features"] = _features(target, batch, layers)
-                with accelerator.autocast():
-                    out = model(batch)
-                if not torch.isfinite(out.loss):
-                    raise TrainingError(
-                        f"the loss became {out.loss.item()} at step {state['step']}: training stopped. The last good "
-                        f"checkpoint ({checkpoint_dir}) is kept; lower train.lr or check the data, then resume=true")
-                accelerator.backward(out.loss)
-                if accelerator.sync_gradients and settings.grad_clip > 0:
-                    window["grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), settings.grad_clip))
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
+            out = _train_step(accelerator, model, optimizer, scheduler, target, batch, layers, settings,
+                              state, checkpoint_dir, window)
             state["batch_in_epoch"] += 1
             tokens = int(batch["attention_mask"].sum())
             state["tokens"] += tokens
@@ -283,6 +280,27 @@ def decode_heldout(recipe, target, drafter, heldout) -> dict:
     depth = max(accepted, default=0)
     return {"eval/tau": metrics.tau(accepted),
             "eval/per_position_acceptance": metrics.per_position_acceptance(accepted, max(depth, 1))}
+
+
+def _train_step(accelerator, model, optimizer, scheduler, target, batch, layers, settings, state, checkpoint_dir,
+                window):
+    """One micro-batch: features, loss, backward; the optimizer steps when accumulation is complete."""
+    model.train()
+    with accelerator.accumulate(model):
+        batch["features"] = _features(target, batch, layers)
+        with accelerator.autocast():
+            out = model(batch)
+        if not torch.isfinite(out.loss):
+            raise TrainingError(
+                f"the loss became {out.loss.item()} at step {state['step']}: training stopped. The last good "
+                f"checkpoint ({checkpoint_dir}) is kept; lower train.lr or check the data, then resume=true")
+        accelerator.backward(out.loss)
+        if accelerator.sync_gradients and settings.grad_clip > 0:
+            window["grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), settings.grad_clip))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return out
 
 
 def _stop_reason(settings, state, total_steps) -> str | None:
@@ -343,6 +361,8 @@ def validate(recipe, accelerator, target, model, heldout, state, log_path, calib
                 hit_counted = c if hit_counted is None else hit_counted + c
         correct = out.correct if correct is None else correct + out.correct
         counted = out.counted if counted is None else counted + out.counted
+    if calibrate and hasattr(drafter, "topk_hits") and hits is None:     # this process had no held-out batch
+        hits, hit_counted = drafter.topk_hits(None)
     empty = torch.zeros(drafter.draft_positions, device=accelerator.device)
     correct = accelerator.reduce(correct if correct is not None else empty, reduction="sum")
     counted = accelerator.reduce(counted if counted is not None else empty.clone(), reduction="sum")
