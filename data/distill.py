@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
 from draftsmith.heads.target import Target
+
 from . import features as feature_cache
 from . import sources
 from .chat import tokenize_chat

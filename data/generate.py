@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from draftsmith.heads.sampling import next_token
 from draftsmith.heads.target import Target
 

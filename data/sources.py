@@ -9,9 +9,9 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from draftsmith.heads.assets import package_file
 

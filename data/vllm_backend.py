@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from draftsmith.heads.assets import resolve_target_path
+
 from .generate import Generation
 
 _ENGINES: dict = {}

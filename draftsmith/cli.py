@@ -92,14 +92,14 @@ def cmd_eval(args) -> dict:
 
 def cmd_quickstart(args) -> dict:
     """Data, training and evaluation on the embedded default target, each within its budget."""
+    import resource
+
     from draftsmith.eval.benchmark import EvalOptions, evaluate
     from draftsmith.eval.report import markdown, write_json
     from draftsmith.heads.target import Target
     from draftsmith.train.batches import make_recipe_data
     from draftsmith.train.loop import fit
     from draftsmith.train.settings import load_recipe
-
-    import resource
 
     start = time.time()
     recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)

@@ -26,7 +26,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-
 from draftsmith.heads.sampling import probabilities, sample
 from draftsmith.heads.tree import DraftTree
 

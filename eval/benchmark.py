@@ -18,11 +18,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-
 from draftsmith.data import sources
 from draftsmith.data.chat import prompt_ids
 from draftsmith.heads.drafter import load_drafter
 from draftsmith.heads.target import Target, resolve_dtype
+
 from . import metrics
 from .verifier import decode
 

@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
 from draftsmith.heads.drafter import DraftContext
 from draftsmith.heads.sampling import next_token
 from draftsmith.heads.target import Target
 from draftsmith.heads.tree import DraftTree
+
 from .acceptance import accept
 
 EMPTY_TREE = DraftTree(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long))

@@ -33,7 +33,7 @@ class TreeSettings:
             raise ValueError(f"tree depth, top_k and total_tokens must be >= 1, got {self}")
 
     @classmethod
-    def chain(cls, length: int) -> "TreeSettings":
+    def chain(cls, length: int) -> TreeSettings:
         return cls(depth=length, top_k=1, total_tokens=length)
 
 

@@ -41,10 +41,10 @@ class TargetIdentity:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TargetIdentity":
+    def from_dict(cls, d: dict) -> TargetIdentity:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__})
 
-    def require_same(self, other: "TargetIdentity", what: str) -> None:
+    def require_same(self, other: TargetIdentity, what: str) -> None:
         """Raise unless `other` is the same target (the name may differ: a path moves)."""
         fields = ("vocab_size", "hidden_size", "num_layers", "weights_sha256")
         diffs = [f"{f}: {getattr(self, f)} vs {getattr(other, f)}" for f in fields if getattr(self, f) != getattr(other, f)]
@@ -131,7 +131,7 @@ class Target:
     # -- loading ---------------------------------------------------------------
     @classmethod
     def load(cls, path: str = "smollm2-135m", dtype: str | torch.dtype = "auto", device: str = "cpu",
-             trust_remote_code: bool = False) -> "Target":
+             trust_remote_code: bool = False) -> Target:
         """Load a target from a local HF directory, a hub id in the local cache, a .gguf file or 'smollm2-135m'."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -168,7 +168,7 @@ class Target:
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def to(self, dtype: torch.dtype) -> "Target":
+    def to(self, dtype: torch.dtype) -> Target:
         self.model.to(dtype)
         return self
 

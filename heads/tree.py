@@ -100,11 +100,11 @@ class TreeShape:
         return max(max(p) for p in self.paths) + 1
 
     @classmethod
-    def chain(cls, length: int) -> "TreeShape":
+    def chain(cls, length: int) -> TreeShape:
         return cls([(0,) * d for d in range(1, length + 1)])
 
     @classmethod
-    def best(cls, topk_accuracy: list[list[float]], size: int) -> "TreeShape":
+    def best(cls, topk_accuracy: list[list[float]], size: int) -> TreeShape:
         """The `size` paths of highest estimated acceptance probability (Medusa's sparse tree construction).
 
         topk_accuracy[d][r]: how often the rank-r candidate at depth d+1 is the

@@ -10,7 +10,6 @@ import argparse
 import time
 
 import torch
-
 from draftsmith.data import sources
 from draftsmith.data.chat import prompt_ids
 from draftsmith.data.generate import generate_batch

@@ -18,31 +18,12 @@ CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-WORDS = ("the a an of to and in is it you that he was for on are with as I his they be at one have this from or had "
-         "by not word but what some we can out other were all there when up use your how said each she which do their "
-         "time if will way about many then them write would like so these her long make thing see him two has look "
-         "more day could go come did number sound no most people my over know water than call first who may down "
-         "side been now find any new work part take get place made live where after back little only round man year "
-         "came show every good me give our under name very through just form sentence great think say help low line "
-         "differ turn cause much mean before move right boy old too same tell does set three want air well also play "
-         "small end put home read hand port large spell add even land here must big high such follow act why ask men "
-         "change went light kind off need house picture try us again animal point mother world near build self earth "
-         "father head stand own page should country found answer school grow study still learn plant cover food sun "
-         "four between state keep eye never last let thought city tree cross farm hard start might story saw far sea "
-         "draw left late run don't while press close night real life few north open seem together next white children "
-         "begin got walk example ease paper group always music those both mark often letter until mile river car feet "
-         "care second book carry took science eat room friend began idea fish mountain stop once base hear horse cut "
-         "sure watch color face wood main enough plain girl usual young ready above ever red list though feel talk bird "
-         "soon body dog family direct pose leave song measure door product black short numeral class wind question "
-         "happen complete ship area half rock order fire south problem piece told knew pass since top whole king space "
-         "heard best hour better true during hundred five remember step early hold west ground interest reach fast verb "
-         "sing listen six table travel less morning ten simple several vowel toward war lay against pattern slow center "
-         ". , ? ! : ( ) def return print = + - * 0 1 2 3 4 5 6 7 8 9").split()
+WORDS = ["the", "a", "an", "of", "to", "and", "in", "is", "it", "you", "that", "he", "was", "for", "on", "are", "with", "as", "I", "his", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by", "not", "word", "but", "what", "some", "we", "can", "out", "other", "were", "all", "there", "when", "up", "use", "your", "how", "said", "each", "she", "which", "do", "their", "time", "if", "will", "way", "about", "many", "then", "them", "write", "would", "like", "so", "these", "her", "long", "make", "thing", "see", "him", "two", "has", "look", "more", "day", "could", "go", "come", "did", "number", "sound", "no", "most", "people", "my", "over", "know", "water", "than", "call", "first", "who", "may", "down", "side", "been", "now", "find", "any", "new", "work", "part", "take", "get", "place", "made", "live", "where", "after", "back", "little", "only", "round", "man", "year", "came", "show", "every", "good", "me", "give", "our", "under", "name", "very", "through", "just", "form", "sentence", "great", "think", "say", "help", "low", "line", "differ", "turn", "cause", "much", "mean", "before", "move", "right", "boy", "old", "too", "same", "tell", "does", "set", "three", "want", "air", "well", "also", "play", "small", "end", "put", "home", "read", "hand", "port", "large", "spell", "add", "even", "land", "here", "must", "big", "high", "such", "follow", "act", "why", "ask", "men", "change", "went", "light", "kind", "off", "need", "house", "picture", "try", "us", "again", "animal", "point", "mother", "world", "near", "build", "self", "earth", "father", "head", "stand", "own", "page", "should", "country", "found", "answer", "school", "grow", "study", "still", "learn", "plant", "cover", "food", "sun", "four", "between", "state", "keep", "eye", "never", "last", "let", "thought", "city", "tree", "cross", "farm", "hard", "start", "might", "story", "saw", "far", "sea", "draw", "left", "late", "run", "don't", "while", "press", "close", "night", "real", "life", "few", "north", "open", "seem", "together", "next", "white", "children", "begin", "got", "walk", "example", "ease", "paper", "group", "always", "music", "those", "both", "mark", "often", "letter", "until", "mile", "river", "car", "feet", "care", "second", "book", "carry", "took", "science", "eat", "room", "friend", "began", "idea", "fish", "mountain", "stop", "once", "base", "hear", "horse", "cut", "sure", "watch", "color", "face", "wood", "main", "enough", "plain", "girl", "usual", "young", "ready", "above", "ever", "red", "list", "though", "feel", "talk", "bird", "soon", "body", "dog", "family", "direct", "pose", "leave", "song", "measure", "door", "product", "black", "short", "numeral", "class", "wind", "question", "happen", "complete", "ship", "area", "half", "rock", "order", "fire", "south", "problem", "piece", "told", "knew", "pass", "since", "top", "whole", "king", "space", "heard", "best", "hour", "better", "true", "during", "hundred", "five", "remember", "step", "early", "hold", "west", "ground", "interest", "reach", "fast", "verb", "sing", "listen", "six", "table", "travel", "less", "morning", "ten", "simple", "several", "vowel", "toward", "war", "lay", "against", "pattern", "slow", "center", ".", ",", "?", "!", ":", "(", ")", "def", "return", "print", "=", "+", "-", "*", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
 
 
 def make_tokenizer(vocab_size: int | None = None):
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = SPECIALS + [w for w in dict.fromkeys(WORDS) if w not in SPECIALS]

@@ -10,13 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
+from conftest import make_tokenizer
 from draftsmith.data import sources
 from draftsmith.data.chat import tokenize_chat
 from draftsmith.data.distill import DataSettings, make_data
 from draftsmith.data.vocab import d2t_offsets, draft_vocabulary, t2d_mask
-
-from conftest import make_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,7 +92,7 @@ def test_draft_vocabulary_round_trip():
 
 
 def chats_file(path: Path, count: int) -> Path:
-    words = "the time is one of the day and the night of water".split()
+    words = ["the", "time", "is", "one", "of", "the", "day", "and", "the", "night", "of", "water"]
     rows = []
     for i in range(count):
         prompt = " ".join(words[(i + j) % len(words)] for j in range(3 + i % 5))
@@ -202,7 +200,7 @@ def test_data_generation_killed_and_restarted_loses_and_duplicates_nothing(tiny_
 
 @pytest.mark.parametrize("mode", ["skip", "truncate"])
 def test_prompts_longer_than_the_maximum_are_skipped_or_truncated_and_counted(tiny_target, tmp_path, mode):
-    words = "the time is one of the day and the night of water".split()
+    words = ["the", "time", "is", "one", "of", "the", "day", "and", "the", "night", "of", "water"]
     rows = [{"id": "short", "messages": [{"role": "user", "content": "the day"}]},
             {"id": "long", "messages": [{"role": "user", "content": " ".join(words * 12)}]}]
     source = tmp_path / "c.jsonl"

@@ -1,6 +1,5 @@
 """The real default target (SmolLM2-135M-Instruct): a short training run, then evaluation.  Marked slow."""
 import pytest
-
 from draftsmith.eval.benchmark import EvalOptions, evaluate
 
 pytestmark = pytest.mark.slow

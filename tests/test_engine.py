@@ -1,11 +1,9 @@
 """The engine must compute what the model computes: cached blocks, tree masks, compaction, padding."""
 import pytest
 import torch
-
+from conftest import build_tiny_target
 from draftsmith.heads.target import Target
 from draftsmith.heads.tree import DraftTree
-
-from conftest import build_tiny_target
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])

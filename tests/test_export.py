@@ -3,8 +3,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
+from conftest import build_tiny_target
 from draftsmith.eval.verifier import decode
 from draftsmith.heads.drafter import save_drafter
 from draftsmith.heads.eagle3 import Eagle3, Eagle3Config
@@ -12,8 +11,7 @@ from draftsmith.heads.export import ExportError, export
 from draftsmith.heads.export_formats import import_medusa_original
 from draftsmith.heads.medusa import Medusa, MedusaConfig
 from draftsmith.heads.target import TargetError
-
-from conftest import build_tiny_target
+from safetensors.torch import load_file, save_file
 from test_verifier import prompts
 
 

@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
-
 from draftsmith.train.loop import fit, reconcile_deepspeed_config
 from draftsmith.train.settings import TrainSettings, recipe_from_dict
-
+from safetensors.torch import load_file
 from test_train import tiny_recipe
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from draftsmith.data import sources
 from draftsmith.data.chat import prompt_ids
 from draftsmith.eval import metrics

@@ -10,15 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
-
+from conftest import build_tiny_target
 from draftsmith.heads.drafter import load_drafter
 from draftsmith.heads.medusa import Medusa, MedusaConfig
 from draftsmith.heads.target import Target, TargetError
 from draftsmith.train.loop import TrainingError, fit
 from draftsmith.train.settings import RecipeError, load_recipe, recipe_from_dict
-
-from conftest import build_tiny_target
+from safetensors.torch import load_file
 from test_data import chats_file
 
 REPO = Path(__file__).resolve().parents[1]

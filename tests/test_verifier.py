@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from draftsmith.eval import acceptance
 from draftsmith.eval.verifier import decode
 from draftsmith.heads.medusa import Medusa, MedusaConfig
@@ -124,8 +123,8 @@ class RandomDrafter:
 
 @pytest.fixture(scope="module")
 def small_vocab_target(tmp_path_factory):
-    from draftsmith.heads.target import Target
     from conftest import build_tiny_target
+    from draftsmith.heads.target import Target
 
     directory = build_tiny_target(tmp_path_factory.mktemp("tiny-vocab"), seed=3, vocab_size=12, sharpen=1.5)
     return Target.load(str(directory), "float32")

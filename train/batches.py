@@ -14,7 +14,6 @@ import random
 from dataclasses import dataclass
 
 import torch
-
 from draftsmith.heads.target import Target, TargetIdentity
 
 log = logging.getLogger(__name__)
@@ -41,14 +40,13 @@ def make_recipe_data(recipe, target: Target, progress: bool = True):
 class TrainingData:
     train: dict                        # columns: id, input_ids, loss_mask, shard, row
     heldout: dict
-    features: "FeatureSource | None"   # the cache, when train.features is 'cache'
+    features: FeatureSource | None   # the cache, when train.features is 'cache'
 
 
 def load_training_data(recipe, target: Target, layers=()) -> TrainingData:
     """output_dir/data (made first if missing), split into train and held-out columns, and the
     feature cache for `layers` when train.features is 'cache' (missing or broken shards are built)."""
     import datasets
-
     from draftsmith.data import features as feature_cache
     from draftsmith.data.distill import shard_paths
 
@@ -116,7 +114,7 @@ def _is_heldout(conv_id: str, seed: int, fraction: float) -> bool:
 class Batches:
     """Micro-batches of row indices for each epoch."""
 
-    def __init__(self, rows: dict, batch_size: int, seed: int, features: "FeatureSource | None" = None):
+    def __init__(self, rows: dict, batch_size: int, seed: int, features: FeatureSource | None = None):
         self.rows = rows
         self.features = features
         self.lengths = [len(x) for x in rows["input_ids"]]
@@ -129,7 +127,7 @@ class Batches:
     def _rows(self, indices: list[int]) -> list[dict]:
         return [{key: self.rows[key][i] for key in ("input_ids", "loss_mask", "shard", "row")} for i in indices]
 
-    def epoch(self, epoch: int) -> "EpochSampler":
+    def epoch(self, epoch: int) -> EpochSampler:
         order = list(range(len(self.lengths)))
         random.Random(self.seed * 1009 + epoch).shuffle(order)
         window = WINDOW * self.batch_size

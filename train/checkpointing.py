@@ -14,10 +14,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
 from draftsmith.heads.drafter import WEIGHTS_FILE, read_config, save_drafter
 from draftsmith.heads.target import TargetIdentity
+from safetensors.torch import load_file
+
 from .settings import Recipe, save_recipe
 
 # Recipe keys that may change between a save and a resume.

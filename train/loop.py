@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
 from draftsmith.eval.metrics import simulated_tau
 from draftsmith.heads.drafter import registry, save_drafter
 from draftsmith.heads.target import Target, resolve_dtype
+
 from .batches import Batches, feature_layers, load_training_data
 from .checkpointing import load_state, save_checkpoint
 from .settings import Recipe
@@ -117,7 +117,11 @@ def build_drafter(recipe: Recipe, target: Target, train_rows):
     drafter = cls(recipe.drafter, target)
     vocab_size = getattr(recipe.drafter, "draft_vocab_size", None)
     if vocab_size:
-        from draftsmith.data.vocab import assistant_token_counts, coverage, draft_vocabulary
+        from draftsmith.data.vocab import (
+            assistant_token_counts,
+            coverage,
+            draft_vocabulary,
+        )
 
         counts = assistant_token_counts(train_rows["input_ids"], train_rows["loss_mask"], target.vocab_size)
         vocab = draft_vocabulary(counts, vocab_size, always=target.eos_token_ids)

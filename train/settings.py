@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-
 from draftsmith.data.distill import DataSettings
 from draftsmith.heads.drafter import config_from_dict, registry
 
