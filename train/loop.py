@@ -263,7 +263,9 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
     if accelerator.is_main_process:
         save_drafter(drafter, checkpoint_dir, state=weights,
                      extra={"heldout": {k: v for k, v in final.items() if k.startswith(("heldout", "eval"))}})
-    return TrainReport(steps=state["step"], seconds=state["seconds"], tokens=state["tokens"], stopped_by=stopped_by,
+    # state["tokens"] counts this process's share (it is what resume restores); the report gives all processes'
+    tokens = int(accelerator.reduce(torch.tensor(float(state["tokens"]), device=accelerator.device), reduction="sum").item())
+    return TrainReport(steps=state["step"], seconds=state["seconds"], tokens=tokens, stopped_by=stopped_by,
                        heldout_agreement=final["heldout/agreement"], heldout_simulated_tau=final["heldout/simulated_tau"],
                        checkpoint=str(checkpoint_dir), history=history)
 
