@@ -10,9 +10,13 @@ FasterDecoding's medusa_lm_head.safetensors (`{h}.{l}.linear.*`, `{h}.{L}.weight
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .export import ExportError
+
+log = logging.getLogger(__name__)
 
 README = """# {title}
 
@@ -62,6 +66,8 @@ def medusa_vllm(config, weights, target, dtype, checkpoint):
         out["lm_heads.0.weight"] = full[draft] if truncated else full
     if truncated:
         out["token_map"] = draft.long()
+        log.warning("this Medusa export has a reduced draft vocabulary (token_map); vLLM 0.32 fails to load "
+                    "it ('weights not initialized: token_map'). For vLLM 0.32 train with drafter.draft_vocab_size: null")
     cfg = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": info["hidden_size"],
            "vocab_size": vocab, "num_heads": heads, "num_hidden_layers": layers, "medusa_fc_bias": True,
            "truncated_vocab_size": int(draft.numel()), "original_lm_head": shared,
