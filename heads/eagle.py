@@ -102,6 +102,7 @@ class Eagle(EagleDecoding, nn.Module):
         return context.hidden[self.target.num_layers]
 
     def forward(self, batch: dict) -> StepOutput:
+        """batch: input_ids, attention_mask, loss_mask [b, s], features {layer id: [b, s, H]} -> the training loss."""
         return self.loss(batch)
 
     def loss(self, batch: dict) -> StepOutput:

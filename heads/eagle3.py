@@ -170,6 +170,7 @@ class Eagle3(EagleDecoding, nn.Module):
 
     # -- training ----------------------------------------------------------------
     def forward(self, batch: dict) -> StepOutput:
+        """batch: input_ids, attention_mask, loss_mask [b, s], features {layer id: [b, s, H]} -> the training loss."""
         return self.loss(batch)
 
     @torch.no_grad()

@@ -67,6 +67,18 @@ def untrained(target, seed=0, vocab=None):
     return drafter
 
 
+def assert_exact_with_accepted_drafts(target, drafter, cases, max_new_tokens=40, min_accepted=20):
+    """Speculative greedy equals plain greedy on every prompt, and enough drafts were accepted that the
+    accept path (and the cache compaction after it) was exercised."""
+    accepted = 0
+    for prompt in cases:
+        plain = decode(target, prompt, max_new_tokens)
+        spec = decode(target, prompt, max_new_tokens, drafter=drafter)
+        assert spec.tokens == plain.tokens
+        accepted += sum(spec.accepted)
+    assert accepted > min_accepted
+
+
 def overfit(target, drafter, sequences, steps=60):
     ids = torch.tensor(sequences)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
@@ -87,13 +99,7 @@ def test_eagle3_decodes_exactly(tiny_target, proposal):
         drafter.set_proposal(chain=4)
     else:
         drafter.set_proposal(tree=TreeSettings(depth=4, top_k=3, total_tokens=10))
-    accepted = 0
-    for prompt in cases:
-        plain = decode(tiny_target, prompt, 40)
-        spec = decode(tiny_target, prompt, 40, drafter=drafter)
-        assert spec.tokens == plain.tokens
-        accepted += sum(spec.accepted)
-    assert accepted > 20       # accepted drafts (and the cache compaction after them) were exercised
+    assert_exact_with_accepted_drafts(tiny_target, drafter, cases)
 
 
 def test_dynamic_tree_keeps_a_prefix_closed_tree_of_the_asked_size(tiny_target):
@@ -188,13 +194,7 @@ def test_eagle1_learns_and_decodes_exactly(tiny_target):
     last = drafter.loss(batch)
     assert last.loss < 0.6 * first.loss and last.correct > first.correct
     drafter.set_proposal(tree=TreeSettings(depth=3, top_k=3, total_tokens=8))
-    accepted = 0
-    for prompt in cases:
-        plain = decode(tiny_target, prompt, 40)
-        spec = decode(tiny_target, prompt, 40, drafter=drafter)
-        assert spec.tokens == plain.tokens
-        accepted += sum(spec.accepted)
-    assert accepted > 20
+    assert_exact_with_accepted_drafts(tiny_target, drafter, cases)
 
 
 def test_eagle3_cached_and_online_features_give_the_same_loss(tiny_target):
