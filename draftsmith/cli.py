@@ -39,12 +39,14 @@ def resolve_recipe(name: str) -> Path:
 
 
 def cmd_data(args) -> dict:
+    from draftsmith.heads.device import resolve_device
     from draftsmith.heads.target import Target
     from draftsmith.train.batches import make_recipe_data
     from draftsmith.train.settings import load_recipe
 
     recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
-    target = Target.load(recipe.target.path, recipe.target.dtype, trust_remote_code=recipe.target.trust_remote_code)
+    target = Target.load(recipe.target.path, recipe.target.dtype, resolve_device(recipe.target.device),
+                         trust_remote_code=recipe.target.trust_remote_code)
     report = make_recipe_data(recipe, target)
     print(f"data: {report.conversations} conversations, {report.training_tokens} tokens "
           f"({report.assistant_tokens} reply tokens) in {recipe.out / 'data'}; generated {report.generated_tokens} "
@@ -69,13 +71,15 @@ def cmd_train(args) -> dict:
 
 def _eval_options(args):
     from draftsmith.eval.benchmark import EvalOptions
+    from draftsmith.heads.device import resolve_device
 
     proposal = "chain" if args.chain is not None else "tree" if args.tree is not None else "default"
     return EvalOptions(
         prompts=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens, proposal=proposal,
         chain_length=args.chain or None, tree_size=args.tree or None, temperature=args.temperature,
         top_p=args.top_p, rule=args.rule, dtype=args.dtype, baselines=tuple(args.baselines.split(",")),
-        exact_prompts=args.exact_prompts, seed=args.seed, cost_per_hour=args.cost_per_hour, target_path=args.target)
+        exact_prompts=args.exact_prompts, seed=args.seed, cost_per_hour=args.cost_per_hour, target_path=args.target,
+        device=str(resolve_device(args.device)))    # checked before any work
 
 
 def cmd_eval(args) -> dict:
@@ -96,6 +100,7 @@ def cmd_quickstart(args) -> dict:
 
     from draftsmith.eval.benchmark import EvalOptions, evaluate
     from draftsmith.eval.report import markdown, write_json
+    from draftsmith.heads.device import resolve_device
     from draftsmith.heads.target import Target
     from draftsmith.train.batches import make_recipe_data
     from draftsmith.train.loop import fit
@@ -104,7 +109,8 @@ def cmd_quickstart(args) -> dict:
     start = time.time()
     recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
     print(f"== draftsmith quickstart: {recipe.method} drafter for {recipe.target.path}, writing {recipe.out}", flush=True)
-    target = Target.load(recipe.target.path, recipe.target.dtype, trust_remote_code=recipe.target.trust_remote_code)
+    device = resolve_device(recipe.target.device)
+    target = Target.load(recipe.target.path, recipe.target.dtype, device, trust_remote_code=recipe.target.trust_remote_code)
     print(f"== 1/3 self-distillation: the target writes its own replies (at most {recipe.data.max_minutes} min)",
           flush=True)
     data = make_recipe_data(recipe, target)
@@ -119,7 +125,8 @@ def cmd_quickstart(args) -> dict:
                           max_new_tokens=recipe.eval.max_new_tokens, proposal=recipe.eval.proposal,
                           chain_length=recipe.eval.chain_length, tree_size=recipe.eval.tree_size,
                           temperature=recipe.eval.temperature, top_p=recipe.eval.top_p, dtype=recipe.eval.dtype,
-                          baselines=recipe.eval.baselines, target_path=recipe.target.path, seed=recipe.seed)
+                          baselines=recipe.eval.baselines, target_path=recipe.target.path, seed=recipe.seed,
+                          device=str(device))
     report = evaluate(trained.checkpoint, options)
     write_json(report, recipe.out / "eval.json")
     print()
@@ -135,7 +142,7 @@ def cmd_export(args) -> dict:
     from draftsmith.heads.export import export
 
     written = export(args.checkpoint, args.to, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
-                     target_path=args.target)
+                     target_path=args.target, device=args.device)
     print(f"exported {args.checkpoint} as {args.to} to {written}")
     return {"out_dir": str(written)}
 
@@ -172,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-per-hour", type=float, default=None, help="machine price, for cost per request")
     p.add_argument("--target", default=None, help="target path (default: the one the checkpoint names)")
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda or cuda:N")
 
     p = sub.add_parser("quickstart", help="data + training + evaluation on the embedded default target")
     p.add_argument("--recipe", default=QUICKSTART_RECIPE)
@@ -184,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--target", default=None, help="check the checkpoint against this target")
+    p.add_argument("--device", default="auto", help="where the target's identity is checked (auto, cpu, cuda)")
     return parser
 
 
@@ -197,12 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     from draftsmith.data.sources import DataError
     from draftsmith.heads.assets import AssetError
+    from draftsmith.heads.device import DeviceError
     from draftsmith.heads.target import TargetError
     from draftsmith.train.settings import RecipeError
 
     try:
         VERBS[args.verb](args)
-    except (RecipeError, DataError, AssetError, TargetError, FileNotFoundError, ValueError) as err:
+    except (RecipeError, DataError, AssetError, TargetError, DeviceError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from draftsmith.data import sources
 from draftsmith.data.chat import prompt_ids
+from draftsmith.heads.device import resolve_device, synchronize
 from draftsmith.heads.drafter import load_drafter
 from draftsmith.heads.target import Target, resolve_dtype
 
@@ -49,6 +50,7 @@ class EvalOptions:
     cost_per_hour: float | None = None
     target_path: str | None = None     # default: the one the checkpoint names
     tree_depth_topk_total: tuple | None = None   # a dynamic tree, when one was chosen (the fp32 check reuses it)
+    device: str = "auto"               # auto (cuda when present, else cpu), cpu, cuda, cuda:N
 
 
 @dataclass
@@ -73,6 +75,8 @@ class EvalReport:
     checkpoint: str
     kind: str
     target: str
+    device: str
+    warmup: str
     prompts_source: str
     dtype: str
     proposal: str
@@ -136,9 +140,11 @@ def block_cost(target: Target, sizes: list[int], context: int = 200, repeats: in
         times = []
         for _ in range(repeats):
             block = torch.randint(0, target.vocab_size, (1, n), device=target.device)
+            synchronize(target.device)
             t = time.perf_counter()
             target.forward_block(cache, block, torch.arange(context, context + n, device=target.device)[None],
                                  logits="all")
+            synchronize(target.device)
             times.append(time.perf_counter() - t)
             cache.truncate(context)
         costs[n] = sorted(times)[len(times) // 2]
@@ -184,10 +190,12 @@ def tune_dynamic_tree(drafter, target: Target, options: EvalOptions):
 def _time_generate(target: Target, prompt: list[int], max_new_tokens: int, lookup: bool) -> tuple[float, list[int]]:
     ids = torch.tensor([prompt], device=target.device)
     extra = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS} if lookup else {}
+    synchronize(target.device)
     t = time.perf_counter()
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 do_sample=False, eos_token_id=target.eos_token_ids,
                                 pad_token_id=target.eos_token_ids[0], **extra)
+    synchronize(target.device)
     return time.perf_counter() - t, out[0, len(prompt):].tolist()
 
 
@@ -230,7 +238,7 @@ def _until_stop(tokens: list[int], stops: list[int]) -> int:
 
 def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOptions, count: int):
     """fp32: speculative greedy equals plain greedy token for token.  Returns (exact, first mismatch id)."""
-    target32 = Target.load(target_path, "float32")
+    target32 = Target.load(target_path, "float32", resolve_device(options.device))
     drafter32 = load_drafter(checkpoint, target32).float()
     if options.tree_depth_topk_total and options.proposal != "chain":
         from draftsmith.heads.dynamic_tree import TreeSettings
@@ -250,12 +258,14 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
 
     config = read_config(checkpoint)
     target_path = options.target_path or config.get("target_source") or config["target"]["name"]
-    dtype = resolve_dtype(options.dtype)
-    target = Target.load(target_path, dtype)
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    target = Target.load(target_path, dtype, device)
     drafter = load_drafter(checkpoint, target).to(dtype)
     description = configure_proposal(drafter, target, options)
     prompts = load_prompts(target, options.prompts, options.limit)
-    run_modes(target, drafter, prompts[0][1][:32], EvalOptions(**{**asdict(options), "max_new_tokens": 8}), 0)  # warm-up
+    # warm-up: every mode once, untimed (first calls allocate, and on a GPU load kernels)
+    run_modes(target, drafter, prompts[0][1][:32], EvalOptions(**{**asdict(options), "max_new_tokens": 8}), 0)
     results = []
     for index, (prompt_id, prompt) in enumerate(prompts):
         timed = run_modes(target, drafter, prompt, options, options.seed + 2 * index)
@@ -296,7 +306,9 @@ def summarize(checkpoint, config, target_path, options, description, dtype, resu
     if options.temperature <= 0 and dtype != torch.float32:
         bf16 = sum(r.common_prefix for r in results) / len(results)
     return EvalReport(
-        checkpoint=str(checkpoint), kind=config["kind"], target=target_path, prompts_source=options.prompts,
+        checkpoint=str(checkpoint), kind=config["kind"], target=target_path,
+        device=str(resolve_device(options.device)), warmup="every mode run once (8 tokens) before timing",
+        prompts_source=options.prompts,
         dtype=str(dtype).replace("torch.", ""), proposal=description, temperature=options.temperature,
         max_new_tokens=options.max_new_tokens, prompts=len(results), tau=metrics.tau(accepted),
         per_position_acceptance=per_position, conditional_acceptance=metrics.conditional_acceptance(per_position),

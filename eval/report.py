@@ -14,7 +14,8 @@ def markdown(report: EvalReport) -> str:
     lines = [
         f"### {report.kind} drafter on {report.target}: {report.prompts} {report.prompts_source} prompts, "
         f"{report.max_new_tokens} new tokens, {report.dtype}, "
-        f"{'greedy' if report.temperature <= 0 else f'temperature {report.temperature}'}, {report.proposal}",
+        f"{'greedy' if report.temperature <= 0 else f'temperature {report.temperature}'}, {report.proposal}, "
+        f"on {report.device} (warm-up: {report.warmup})",
         "",
         "| decoding | tokens/s | s/request | time to first token | speedup of speculative |",
         "|---|---:|---:|---:|---:|",

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from draftsmith.heads.device import synchronize
 from draftsmith.heads.drafter import DraftContext
 from draftsmith.heads.sampling import next_token
 from draftsmith.heads.target import Target
@@ -46,14 +47,15 @@ def decode(target: Target, prompt: list[int], max_new_tokens: int, drafter=None,
            top_p: float = 1.0, rule: str = "auto", generator: torch.Generator | None = None,
            max_tree_size: int = 256) -> DecodeResult:
     """Generate up to max_new_tokens after `prompt` (batch 1), speculatively if a drafter is given."""
-    start_time = time.perf_counter()
     device = target.device
+    synchronize(device)          # time only this call's work (CUDA queues kernels asynchronously)
+    start_time = time.perf_counter()
     layers = drafter.required_layers if drafter is not None else ()
     cache = target.new_cache(1, len(prompt) + max_new_tokens + max_tree_size + 2)
     prompt_ids = torch.tensor([prompt], device=device)
     out = target.forward_block(cache, prompt_ids, torch.arange(len(prompt), device=device)[None],
                                layer_ids=layers, logits="last")
-    root = int(next_token(out.logits[0, -1], temperature, top_p, generator))
+    root = int(next_token(out.logits[0, -1], temperature, top_p, generator))     # int(): waits for the device
     result = DecodeResult(tokens=[root])
     result.first_token_seconds = time.perf_counter() - start_time
     stops = set(target.eos_token_ids)
@@ -87,5 +89,6 @@ def decode(target: Target, prompt: list[int], max_new_tokens: int, drafter=None,
             rows = torch.tensor(kept_rows, device=device)
             context = DraftContext(tokens=ids[0, rows], hidden={i: h[0, rows] for i, h in out.hidden_states.items()},
                                    next_token=verdict.bonus, position=root_position + len(kept_rows))
+    synchronize(device)
     result.seconds = time.perf_counter() - start_time
     return result

@@ -37,60 +37,63 @@ class TreeSettings:
         return cls(depth=length, top_k=1, total_tokens=length)
 
 
-@dataclass
-class _Node:
-    token: int             # draft-vocabulary id
-    parent: int            # node index, -1 for the root
-    score: float           # cumulative log-probability
-    depth: int
-    slot: int = -1         # drafter-cache slot once fed
-    hidden: torch.Tensor | None = None   # the drafter's output after feeding it
-
-
 def grow(step, root_hidden: torch.Tensor, root_logprobs: torch.Tensor, settings: TreeSettings,
          first_slot: int, draft_to_target: torch.Tensor) -> DraftTree:
-    """Grow a tree under the root.
+    """Grow a tree under the root, one batched decision per depth (no per-node loop, no host sync until the end).
 
-    step(hidden [k, H], draft_tokens [k], depths [k], visible [k, slots]) -> (hidden [k, H], logprobs [k, v])
+    step(hidden [k, H], draft_tokens [k], depths [k], visible [k, fed]) -> (hidden [k, H], logprobs [k, v])
     feeds k nodes to the drafter at once (each at cache slot first_slot + fed-so-far)
     and returns their outputs; `visible[j]` marks which earlier drafted slots node j
     may see (its ancestors; the real context is always visible).
     root_hidden: [H]; root_logprobs: [v] over the draft vocabulary.
+
+    The pool holds every node ever proposed, in depth order (so index order is depth order):
+    tokens, cumulative log-probability `score` and parent index (-1: the root).
     """
-    nodes: list[_Node] = []
-    top = root_logprobs.topk(min(settings.top_k, root_logprobs.numel()))
-    frontier = []
-    for value, index in zip(top.values.tolist(), top.indices.tolist()):
-        nodes.append(_Node(index, -1, value, 1))
-        frontier.append(len(nodes) - 1)
+    device = root_hidden.device
+    k = min(settings.top_k, root_logprobs.numel())
+    capacity = k + (settings.depth - 1) * k * k
+    tokens = torch.zeros(capacity, dtype=torch.long, device=device)
+    scores = torch.zeros(capacity, dtype=torch.float32, device=device)
+    parents = torch.full((capacity,), -1, dtype=torch.long, device=device)
+    slot_of = torch.full((capacity,), -1, dtype=torch.long, device=device)      # drafter-cache slot once fed
+    fed_hidden = root_hidden.new_zeros(max(1, (settings.depth - 1) * k), root_hidden.shape[-1])   # [fed, H]
+    ancestors = torch.zeros(max(1, (settings.depth - 1) * k), max(1, (settings.depth - 1) * k), dtype=torch.bool,
+                            device=device)                        # [fed, fed] row j: slots node j sees (itself too)
+    top = root_logprobs.topk(k)
+    tokens[:k], scores[:k] = top.indices, top.values.float()
+    size = k
+    frontier = torch.arange(k, device=device)                                    # [k] pool indices
     fed = 0
     for depth in range(2, settings.depth + 1):
         # a node is fed with its parent's output (the root's for depth 1) and its own token
-        hidden = torch.stack([root_hidden if nodes[n].parent < 0 else nodes[nodes[n].parent].hidden
-                              for n in frontier])                                            # [k, H]
-        tokens = torch.tensor([nodes[n].token for n in frontier], device=root_hidden.device)
-        visible = torch.zeros(len(frontier), fed, dtype=torch.bool, device=root_hidden.device)
-        for j, n in enumerate(frontier):
-            parent = nodes[n].parent
-            while parent >= 0:
-                visible[j, nodes[parent].slot - first_slot] = True
-                parent = nodes[parent].parent
-        depths = torch.full((len(frontier),), depth - 1, device=root_hidden.device)
-        out_hidden, logprobs = step(hidden, tokens, depths, visible)
-        for j, n in enumerate(frontier):
-            nodes[n].slot, nodes[n].hidden = first_slot + fed + j, out_hidden[j]
-        fed += len(frontier)
-        children = logprobs.topk(min(settings.top_k, logprobs.shape[-1]), dim=-1)
-        candidates = []
-        for j, n in enumerate(frontier):
-            for value, index in zip(children.values[j].tolist(), children.indices[j].tolist()):
-                nodes.append(_Node(index, n, nodes[n].score + value, depth))
-                candidates.append(len(nodes) - 1)
-        candidates.sort(key=lambda c: -nodes[c].score)
-        frontier = candidates[: settings.top_k]
-    ranked = sorted(range(len(nodes)), key=lambda n: (-nodes[n].score, nodes[n].depth, n))
-    kept = sorted(ranked[: settings.total_tokens], key=lambda n: (nodes[n].depth, n))
-    position = {n: i for i, n in enumerate(kept)}
-    tokens = draft_to_target[torch.tensor([nodes[n].token for n in kept], device=draft_to_target.device)]
-    parents = torch.tensor([position[nodes[n].parent] if nodes[n].parent >= 0 else -1 for n in kept])
-    return DraftTree(tokens=tokens.cpu(), parents=parents)
+        parent = parents[frontier]                                                 # [k]
+        parent_slot = slot_of[parent.clamp(min=0)]
+        is_root_child = (parent < 0)[:, None]
+        hidden = torch.where(is_root_child, root_hidden[None], fed_hidden[parent_slot.clamp(min=0)])   # [k, H]
+        visible = ancestors[parent_slot.clamp(min=0), :fed] & ~is_root_child     # [k, fed]
+        depths = torch.full((k,), depth - 1, device=device)
+        out_hidden, logprobs = step(hidden, tokens[frontier], depths, visible)
+        rows = torch.arange(fed, fed + k, device=device)
+        slot_of[frontier] = rows
+        fed_hidden[rows] = out_hidden.to(fed_hidden.dtype)
+        ancestors[rows, :fed] = visible
+        ancestors[rows, rows] = True
+        fed += k
+        children = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)             # [k, c]
+        c = children.indices.shape[1]
+        new = slice(size, size + k * c)
+        tokens[new] = children.indices.reshape(-1)
+        scores[new] = (scores[frontier][:, None] + children.values.float()).reshape(-1)
+        parents[new] = frontier.repeat_interleave(c)
+        frontier = size + scores[new].topk(min(k, k * c)).indices
+        size += k * c
+    # rerank: best total_tokens by score; a stable sort keeps ties in index (= depth) order, so a parent
+    # (never scored below its child) always precedes it and the kept set is a tree
+    order = torch.sort(scores[:size], descending=True, stable=True).indices
+    kept = order[: settings.total_tokens].sort().values                          # depth order
+    position = torch.full((size,), -1, dtype=torch.long, device=device)
+    position[kept] = torch.arange(kept.numel(), device=device)
+    kept_parents = parents[kept]
+    tree_parents = torch.where(kept_parents >= 0, position[kept_parents.clamp(min=0)], kept_parents)
+    return DraftTree(tokens=draft_to_target[tokens[kept]].cpu(), parents=tree_parents.cpu())

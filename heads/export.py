@@ -82,7 +82,7 @@ def check_weights(weights: dict, config: dict, where: str) -> None:
 
 
 def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "bfloat16",
-           overwrite: bool = False, target_path: str | None = None) -> Path:
+           overwrite: bool = False, target_path: str | None = None, device: str = "auto") -> Path:
     """Write `checkpoint` in format `fmt` to `out_dir`; returns out_dir."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if fmt not in FORMATS:
@@ -96,7 +96,7 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
     check_weights(weights, config, str(checkpoint))
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ExportError(f"output directory '{out_dir}' is not empty; pass --overwrite to replace it")
-    target = _target_for(config, target_path) if _needs_target(config, fmt) or target_path else None
+    target = _target_for(config, target_path, dtype, device) if _needs_target(config, fmt) or target_path else None
     from . import export_formats
     tensors, files = export_formats.WRITERS[(kind, fmt)](config, weights, target, _dtype(dtype), checkpoint)
     tmp = out_dir.with_name(out_dir.name + ".tmp-export")
@@ -117,9 +117,14 @@ def _needs_target(config: dict, fmt: str) -> bool:
     return (config["kind"] == "medusa" and config["drafter"]["lm_head"] == "shared") or fmt == "sglang"
 
 
-def _target_for(config: dict, target_path: str | None):
+def _target_for(config: dict, target_path: str | None, dtype: str, device: str):
+    """The target, for its identity and the matrices an export carries: in bf16 on the resolved device
+    for a bf16 export (no precision lost), in fp32 for fp32/fp16 exports."""
+    from .device import resolve_device
     from .target import Target, TargetIdentity
 
-    target = Target.load(target_path or config.get("target_source") or config["target"]["name"], "float32")
+    load_dtype = "bfloat16" if dtype == "bfloat16" else "float32"
+    target = Target.load(target_path or config.get("target_source") or config["target"]["name"], load_dtype,
+                         resolve_device(device))
     TargetIdentity.from_dict(config["target"]).require_same(target.identity, "the checkpoint")
     return target

@@ -18,6 +18,7 @@ from torch import nn
 
 from . import engine
 from .assets import resolve_target_path
+from .device import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +131,15 @@ class Target:
 
     # -- loading ---------------------------------------------------------------
     @classmethod
-    def load(cls, path: str = "smollm2-135m", dtype: str | torch.dtype = "auto", device: str = "cpu",
-             trust_remote_code: bool = False) -> Target:
-        """Load a target from a local HF directory, a hub id in the local cache, a .gguf file or 'smollm2-135m'."""
+    def load(cls, path: str = "smollm2-135m", dtype: str | torch.dtype = "auto",
+             device: str | torch.device | None = "auto", trust_remote_code: bool = False) -> Target:
+        """Load a target from a local HF directory, a hub id in the local cache, a .gguf file or 'smollm2-135m'.
+
+        device: 'auto' (cuda when present, else cpu), or a device name (heads/device.py);
+        dtype 'auto' is bf16 where that device computes it natively."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        device = resolve_device(device)
         model_dir, name = resolve_target_path(path, trust_remote_code=trust_remote_code)
         _require_causal_lm(Path(model_dir), path)
         torch_dtype = resolve_dtype(dtype, device)

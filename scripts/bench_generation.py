@@ -13,6 +13,7 @@ import torch
 from draftsmith.data import sources
 from draftsmith.data.chat import prompt_ids
 from draftsmith.data.generate import generate_batch
+from draftsmith.heads.device import resolve_device, synchronize
 from draftsmith.heads.target import Target
 
 
@@ -20,6 +21,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda, cuda:N")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64])
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
@@ -29,7 +31,7 @@ def main():
     parser.add_argument("--vllm", action="store_true", help="also time the vLLM data backend on the same batches")
     args = parser.parse_args()
 
-    target = Target.load(args.target, args.dtype)
+    target = Target.load(args.target, args.dtype, resolve_device(args.device))
     prompts = []
     for conv in sources.sharegpt(limit=args.prompts * 3):
         ids = prompt_ids(target.tokenizer, conv.messages[:1])
@@ -39,13 +41,16 @@ def main():
             break
     prompts.sort(key=len)
     print(f"{len(prompts)} prompts, {sum(map(len, prompts)) / len(prompts):.0f} tokens on average; "
-          f"{target.dtype}, {torch.get_num_threads()} threads")
+          f"{target.dtype} on {target.device}, {torch.get_num_threads()} threads")
+    generate_batch(target, prompts[:2], 4)                          # warm-up, untimed
     for batch_size in args.batch_sizes:
+        synchronize(target.device)
         generated, start = 0, time.perf_counter()
         for i in range(0, len(prompts), batch_size):
             outs = generate_batch(target, prompts[i:i + batch_size], args.max_new_tokens,
                                   capture_layers=args.capture)
             generated += sum(len(o.token_ids) for o in outs)
+        synchronize(target.device)
         seconds = time.perf_counter() - start
         line = f"batch {batch_size:>4}: draftsmith {generated / seconds:7.1f} tok/s ({generated} tokens, {seconds:.0f}s)"
         if args.hf:
@@ -56,12 +61,13 @@ def main():
                 longest = max(map(len, chunk))
                 ids = torch.tensor([[tok.pad_token_id or 0] * (longest - len(p)) + p for p in chunk])
                 mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in chunk])
-                out = target.model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+                out = target.model.generate(ids.to(target.device), attention_mask=mask.to(target.device), max_new_tokens=args.max_new_tokens,
                                             do_sample=False, eos_token_id=target.eos_token_ids,
                                             pad_token_id=target.eos_token_ids[0])
                 for row in out[:, longest:].tolist():      # up to and including the first stop token
                     stop = next((i for i, t in enumerate(row) if t in target.eos_token_ids), len(row) - 1)
                     hf_generated += stop + 1
+            synchronize(target.device)
             hf_seconds = time.perf_counter() - start
             line += f" | transformers generate {hf_generated / hf_seconds:7.1f} tok/s ({hf_seconds:.0f}s)"
         if args.vllm:

@@ -23,7 +23,7 @@ from .settings import Recipe, save_recipe
 # Recipe keys that may change between a save and a resume.
 RESUME_FREE = {"resume", "output_dir", "eval", "train.max_steps", "train.max_minutes", "train.epochs",
                "train.report_to", "train.wandb_project", "train.log_every", "train.save_every", "train.eval_every",
-               "data.max_minutes"}
+               "data.max_minutes", "target.device"}
 
 
 def _swap_in(tmp: Path, final: Path) -> None:
@@ -107,11 +107,11 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
     drafter.load_state_dict(load_file(str(found / WEIGHTS_FILE)), strict=True)
     from draftsmith.heads.drafter import RESERVED
     drafter.metadata.update({k: v for k, v in read_config(found).items() if k not in RESERVED})
-    optimizer.load_state_dict(torch.load(found / "state" / "optimizer.pt", weights_only=True))
+    optimizer.load_state_dict(torch.load(found / "state" / "optimizer.pt", weights_only=True, map_location="cpu"))
     scheduler.load_state_dict(json.loads((found / "state" / "scheduler.json").read_text()))
     rng_file = found / "state" / f"rng-{accelerator.process_index}.pt"
     if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True)
+        rng = torch.load(rng_file, weights_only=True, map_location="cpu")
         torch.set_rng_state(rng["torch"])
         version, internal, gauss = rng["python"]
         random.setstate((version, tuple(internal), gauss))

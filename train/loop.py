@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 from draftsmith.eval.metrics import simulated_tau
+from draftsmith.heads.device import resolve_device
 from draftsmith.heads.drafter import registry, save_drafter
 from draftsmith.heads.target import Target, resolve_dtype
 
@@ -57,9 +58,12 @@ def make_accelerator(recipe: Recipe):
     from accelerate.utils import ProjectConfiguration
 
     settings = recipe.train
+    device = resolve_device(recipe.target.device)
+    if device.type == "cuda" and device.index is not None and "LOCAL_RANK" not in os.environ:
+        torch.cuda.set_device(device)          # one process on cuda:N (under a launcher, the rank decides)
     precision = settings.mixed_precision
     if precision == "auto":
-        precision = "bf16" if resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu") == torch.bfloat16 else "no"
+        precision = "bf16" if resolve_dtype("auto", device) == torch.bfloat16 else "no"
     log_with = None
     if settings.report_to == "wandb":
         if not os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
@@ -77,7 +81,7 @@ def make_accelerator(recipe: Recipe):
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
     accelerator = Accelerator(
-        mixed_precision=precision, gradient_accumulation_steps=settings.grad_accum, log_with=log_with,
+        cpu=device.type == "cpu", mixed_precision=precision, gradient_accumulation_steps=settings.grad_accum, log_with=log_with,
         # the sampler builds global batches (batch_size x processes) and each process takes its slice,
         # so what a step sees does not depend on how many processes share it
         dataloader_config=DataLoaderConfiguration(split_batches=True),
@@ -137,8 +141,11 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
     accelerator = make_accelerator(recipe)
     torch.manual_seed(recipe.seed)
     if target is None:
-        target = Target.load(recipe.target.path, recipe.target.dtype, str(accelerator.device),
+        target = Target.load(recipe.target.path, recipe.target.dtype, accelerator.device,
                              recipe.target.trust_remote_code)
+    elif not same_device(target.device, accelerator.device):
+        raise ValueError(f"the target given to fit() is on {target.device} but training runs on "
+                         f"{accelerator.device}: load it with device={str(accelerator.device)!r}")
     layers = feature_layers(recipe, target)
     with accelerator.main_process_first():      # one process makes the data and cache; the others then read them
         data = load_training_data(recipe, target, layers)
@@ -179,6 +186,17 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
     gc.collect()
     accelerator.end_training()
     return report
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """cuda and cuda:<current> are one device; cpu and cpu:0 too."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
 
 
 def _warmup_cosine(warmup: int, total: int, clock: dict):

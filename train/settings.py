@@ -26,12 +26,19 @@ class TargetSettings:
     """A local HF directory, a hub id in the local cache, a .gguf file, or 'smollm2-135m'."""
     dtype: str = "auto"
     """Target weights for data generation and features: auto (bf16 where supported), bfloat16 or float32."""
+    device: str = "auto"
+    """Where the target, drafter and data live: auto (cuda when present, else cpu), cpu, cuda or cuda:N."""
     trust_remote_code: bool = False
     """Run the model repository's own code (only if you trust it)."""
 
     def __post_init__(self):
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise RecipeError(f"target.dtype must be auto, bfloat16 or float32, got '{self.dtype}'")
+        from draftsmith.heads.device import DeviceError, resolve_device
+        try:
+            resolve_device(self.device)
+        except DeviceError as err:
+            raise RecipeError(f"target.device: {err}") from None
 
 
 @dataclass

@@ -1,0 +1,65 @@
+"""The one device decision, shared by every verb (data, train, eval, bench, export, quickstart).
+
+`resolve_device("auto")` is `cuda` when a CUDA device is present, else `cpu`;
+any other name (`cpu`, `cuda`, `cuda:1`, `mps`) is checked against what this
+machine has, and a device it lacks is an error that lists the ones it has.
+Recipes set it with `target.device=`, the eval/bench/export verbs with
+`--device`.  Every Target.load, drafter, feature batch and engine cache is
+placed on the device this function returns (the placement test in
+tests/test_device.py holds the code to that).
+
+Timing on an asynchronous device (CUDA) must wait for the queued kernels:
+`synchronize(device)` does, and is a no-op on the CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class DeviceError(ValueError):
+    """A device this machine does not have."""
+
+
+def available_devices() -> list[str]:
+    """The device names this machine can run on, e.g. ['cpu', 'cuda:0', 'cuda:1']."""
+    names = ["cpu"]
+    if torch.cuda.is_available():
+        names += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        names.append("mps")
+    return names
+
+
+def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
+    """'auto' (or None): cuda when present, else cpu.  Anything else is checked to exist here."""
+    if isinstance(name, torch.device):
+        name = str(name)
+    if name in (None, "", "auto"):
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as err:
+        raise DeviceError(f"device '{name}' is not a device name ({err}); use auto, cpu, cuda or cuda:N "
+                          f"(this machine has {available_devices()})") from None
+    if device.type == "cpu":
+        return device
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index is not None and device.index >= count):
+            raise DeviceError(f"device '{name}' is not on this machine (it has {available_devices()}); "
+                              "set target.device=auto (or --device auto) to use what is there")
+        return device
+    if device.type == "mps" and "mps" in available_devices():
+        return device
+    if device.type == "meta":
+        return device
+    raise DeviceError(f"device '{name}' is not on this machine (it has {available_devices()})")
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait until the device has finished its queued work (CUDA, MPS); nothing to wait for on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

@@ -1,0 +1,177 @@
+"""The prepared GPU check behind scripts/gpu_check.sh: one line per stage, PASS/FAIL, seconds, devices seen.
+
+    bash scripts/gpu_check.sh            # or: python scripts/gpu_check.py [--skip-default] [--device cuda]
+
+Stages on a tiny random Llama (4 layers, hidden 64, built here): data, train Medusa and EAGLE-3
+(20 steps each), eval (fp32 exactness, tau, tokens/s with device synchronisation), export --to vllm,
+and a 2-process DDP run when two GPUs are visible; then one short quickstart on the default target.
+While the stages run, the device of each tensor family is recorded: target weights (Target.load),
+engine caches (EngineCache), drafter weights and training batches (each drafter's loss()).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+REQUIRED = ("torch", "transformers", "accelerate", "datasets", "safetensors", "yaml", "tqdm", "gguf")
+
+
+def missing_packages() -> list[str]:
+    import importlib.util
+    return [name for name in REQUIRED if importlib.util.find_spec(name) is None]
+
+
+SEEN: dict[str, set] = {}
+
+
+def record(family: str, device) -> None:
+    SEEN.setdefault(family, set()).add(str(device))
+
+
+def install_probes() -> None:
+    """Wrap the few places every tensor family passes through, to record its device."""
+    from draftsmith.heads import drafter, engine
+    from draftsmith.heads.target import Target
+
+    original_load = Target.load.__func__
+
+    def load(cls, *args, **kwargs):
+        target = original_load(cls, *args, **kwargs)
+        record("target", target.device)
+        return target
+    Target.load = classmethod(load)
+
+    original_cache = engine.EngineCache.__init__
+
+    def cache_init(self, *args, **kwargs):
+        original_cache(self, *args, **kwargs)
+        record("engine cache", self.valid.device)
+    engine.EngineCache.__init__ = cache_init
+
+    for cls in drafter.registry().values():
+        def loss(self, batch, _original=cls.loss):
+            record("drafter", next(self.parameters()).device)
+            record("batch", batch["input_ids"].device)
+            record("features", next(iter(batch["features"].values())).device)
+            return _original(self, batch)
+        cls.loss = loss
+
+
+def stage(name: str, fn, results: list) -> object:
+    SEEN.clear()
+    start = time.time()
+    try:
+        value = fn()
+        ok, note = True, value if isinstance(value, str) else ""
+    except Exception as err:  # noqa: BLE001 - a check reports every failure and goes on
+        ok, note, value = False, f"{type(err).__name__}: {err}", None
+        traceback.print_exc()
+    devices = ", ".join(f"{k}={'/'.join(sorted(v))}" for k, v in sorted(SEEN.items())) or "-"
+    line = f"{'PASS' if ok else 'FAIL'}  {name:<22} {time.time() - start:6.1f}s  devices: {devices}  {note}"
+    print(line, flush=True)
+    results.append(ok)
+    return value
+
+
+def tiny_recipe(work: Path, target_dir: Path, method: str, device: str) -> Path:
+    import yaml
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_data import chats_file
+    drafter = ({"num_heads": 3, "lm_head": "shared", "draft_vocab_size": None} if method == "medusa" else
+               {"layer_ids": [1, 2, 3], "draft_vocab_size": 128, "ttt_steps": 3,
+                "tree": {"depth": 3, "top_k": 4, "total_tokens": 8}})
+    recipe = {"method": method, "output_dir": str(work / method), "seed": 0,
+              "target": {"path": str(target_dir), "dtype": "auto", "device": device},
+              "data": {"source": str(chats_file(work / "chats.jsonl", 96)), "max_conversations": None,
+                       "batch_size": 16, "max_new_tokens": 32},
+              "drafter": drafter,
+              "train": {"epochs": 100, "max_steps": 20, "batch_size": 4, "lr": 3e-3, "warmup_steps": 2,
+                        "eval_prompts": 1, "heldout_fraction": 0.1, "save_every": 10}}
+    path = work / f"{method}.yaml"
+    path.write_text(f"# draftsmith train {path}\n" + yaml.safe_dump(recipe))
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--skip-default", action="store_true", default=bool(os.environ.get("SKIP_DEFAULT")))
+    args = parser.parse_args()
+    missing = missing_packages()
+    if missing:
+        print(f"FAIL  packages missing: {missing}; bring their wheels (WHEELS=DIR bash scripts/gpu_check.sh)")
+        return 1
+    import torch
+    from draftsmith.cli import main as cli
+    from draftsmith.heads.device import resolve_device
+    device = resolve_device(args.device)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    print(f"draftsmith GPU check: device {device}, {gpus} GPU(s) "
+          f"{torch.cuda.get_device_name(0) if gpus else ''}, torch {torch.__version__}", flush=True)
+    install_probes()
+    results: list[bool] = []
+    work = Path(tempfile.mkdtemp(prefix="draftsmith-gpu-check-"))
+    sys.path.insert(0, str(REPO / "tests"))
+    from conftest import build_tiny_target
+    target_dir = build_tiny_target(work / "tiny-llama", "llama", layers=4)
+    recipes = {m: tiny_recipe(work, target_dir, m, str(device)) for m in ("medusa", "eagle3")}
+
+    def run(*argv):
+        if cli([str(a) for a in argv]) != 0:
+            raise RuntimeError(f"draftsmith {' '.join(map(str, argv))} failed")
+
+    stage("tiny: data", lambda: run("data", recipes["eagle3"]), results)
+    for method in ("medusa", "eagle3"):
+        if method == "medusa":      # the same data (its cache holds Medusa's layer too)
+            import shutil
+            shutil.copytree(work / "eagle3" / "data", work / "medusa" / "data", dirs_exist_ok=True)
+        stage(f"tiny: train {method}", lambda m=method: run("train", recipes[m]), results)
+
+    def evaluate(method):
+        from draftsmith.eval.benchmark import EvalOptions
+        from draftsmith.eval.benchmark import evaluate as run_eval
+        report = run_eval(str(work / method / "checkpoint"), EvalOptions(
+            prompts=str(work / "chats.jsonl"), limit=4, max_new_tokens=32, baselines=("plain", "generate"),
+            exact_prompts=4, device=str(device)), progress=False)
+        if not report.greedy_exact:
+            raise AssertionError(f"speculative greedy differs from plain greedy in fp32 ({report.first_mismatch})")
+        rates = " ".join(f"{m} {r:.0f}" for m, r in report.tokens_per_second.items())
+        return f"exact (fp32), tau {report.tau:.2f}, tokens/s: {rates} ({report.dtype})"
+    for method in ("medusa", "eagle3"):
+        stage(f"tiny: eval {method}", lambda m=method: evaluate(m), results)
+    for method in ("medusa", "eagle3"):
+        stage(f"tiny: export {method}", lambda m=method: run("export", work / m / "checkpoint", "--to", "vllm",
+                                                             work / f"export-{m}", "--device", device), results)
+    if gpus >= 2:
+        def ddp():
+            env = dict(os.environ, PYTHONPATH=str(REPO))
+            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+                                   "draftsmith", "train", str(recipes["eagle3"]), f"output_dir={work / 'ddp'}",
+                                   "train.batch_size=2"], env=env, capture_output=True, text=True, timeout=600)
+            if done.returncode:
+                raise RuntimeError(done.stderr[-2000:])
+            return done.stdout.strip().splitlines()[-1]
+        import shutil
+        shutil.copytree(work / "eagle3" / "data", work / "ddp" / "data")
+        stage("tiny: DDP 2 processes", ddp, results)
+    else:
+        print("SKIP  tiny: DDP 2 processes      one GPU visible", flush=True)
+    if args.skip_default:
+        print("SKIP  default: quickstart        --skip-default", flush=True)
+    else:
+        stage("default: quickstart", lambda: run(
+            "quickstart", f"output_dir={work / 'quickstart'}", f"target.device={device}", "data.max_minutes=0.5",
+            "data.max_conversations=256", "train.max_minutes=0.5", "eval.limit=3", "eval.max_new_tokens=64"), results)
+    print(f"{sum(results)} passed, {len(results) - sum(results)} failed", flush=True)
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
