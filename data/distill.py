@@ -1,4 +1,12 @@
-"""Self-distillation: the target regenerates the assistant turns, so drafters learn what it says.
+"""Training data the target labels itself, in three modes (`data.mode`):
+
+- regenerate: the target rewrites the assistant turns (self-distillation: on-policy text, one decode
+  step per token, about 200 tokens/s on 2 CPU cores);
+- prefill: the target reads the source's own conversations, every assistant turn, in one forward
+  per batch (several times faster per token); its own next-token distribution at every reply
+  position, recomputed from the final-layer features kept in the cache, is the label;
+- mix: a share of the batches regenerated (`data.regenerate_share`), the rest prefilled.
+In every mode the labels come from the target: the text may be the source's, the targets never are.
 
 Work is cut into fixed batches (conversation order from the seed, grouped by
 prompt length to limit padding).  Each finished batch is one JSONL shard with
@@ -28,7 +36,7 @@ from draftsmith.heads.target import Target
 from . import features as feature_cache
 from . import sources
 from .chat import tokenize_chat
-from .generate import generate_batch
+from .regenerate import Regenerator, ShardWork, regenerate_batch
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +51,13 @@ class DataSettings:
     """Who regenerates: transformers (draftsmith's batched engine; keeps the features) or vllm (optional extra)."""
     max_conversations: int | None = 2000
     """Conversations taken from the source (after shuffling with the seed), rounded up to whole batches; null = all."""
-    regenerate: bool = True
-    """Self-distillation: the target rewrites the assistant turns (false: use the source's own)."""
+    mode: str = "regenerate"
+    """regenerate (the target rewrites replies), prefill (the target reads the source's replies, all
+    turns, and labels them with its own distribution) or mix (regenerate_share of the batches regenerated)."""
+    regenerate_share: float = 0.25
+    """mode=mix: the fraction of batches the target regenerates; the rest are prefilled."""
+    regenerate: bool | None = None
+    """Deprecated: true is mode=regenerate, false is mode=prefill."""
     max_turns: int = 1
     """Assistant turns regenerated per conversation; later turns are dropped."""
     max_prompt_tokens: int = 384
@@ -65,6 +78,12 @@ class DataSettings:
     """Training sequences are cut to this many tokens."""
 
     def __post_init__(self):
+        if self.regenerate is not None:                     # the old switch, kept readable
+            self.mode, self.regenerate = ("regenerate" if self.regenerate else "prefill"), None
+        if self.mode not in ("regenerate", "prefill", "mix"):
+            raise ValueError(f"data.mode must be regenerate, prefill or mix, got '{self.mode}'")
+        if not 0 <= self.regenerate_share <= 1:
+            raise ValueError(f"data.regenerate_share must be in [0, 1], got {self.regenerate_share}")
         if self.backend not in ("transformers", "vllm"):
             raise ValueError(f"data.backend must be transformers or vllm, got '{self.backend}'")
         if self.long_prompts not in ("skip", "truncate"):
@@ -82,6 +101,7 @@ class DataSettings:
 class DataReport:
     conversations: int
     generated_tokens: int
+    prefilled_tokens: int
     seconds: float
     skipped_long_prompts: int
     truncated_prompts: int
@@ -91,14 +111,23 @@ class DataReport:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.seconds if self.seconds else 0.0
+        """Tokens the target produced or read per second of data making (generated + prefilled)."""
+        return (self.generated_tokens + self.prefilled_tokens) / self.seconds if self.seconds else 0.0
 
 
 def fingerprint(settings: DataSettings, seed: int, target_identity: dict) -> str:
-    """What the shards depend on: a resumed run must agree on all of it."""
+    """What the shards depend on: a resumed run, and training on them, must agree on all of it."""
     keys = asdict(settings)
-    for free in ("max_minutes", "max_seq_len", "max_conversations"):   # these may change between resumes
-        keys.pop(free)
+    free = ["max_minutes", "max_conversations", "regenerate"]           # these may change between resumes
+    if settings.mode == "regenerate":
+        free.append("max_seq_len")       # cut when indexed, not in the shards (prefilled shards are cut)
+    if settings.mode != "mix":
+        free.append("regenerate_share")
+    if settings.mode == "prefill":       # nothing is generated
+        free += ["backend", "max_turns", "max_prompt_tokens", "long_prompts", "max_new_tokens", "temperature",
+                 "top_p"]
+    for key in free:
+        keys.pop(key)
     keys["seed"] = seed
     keys["target"] = target_identity["weights_sha256"]
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
@@ -118,28 +147,15 @@ def read_shard(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def batch_regenerates(settings: DataSettings, index: int) -> bool:
+    """Whether batch `index` is regenerated (else prefilled): mix spreads its share evenly over the batches."""
+    if settings.mode != "mix":
+        return settings.mode == "regenerate"
+    return int((index + 1) * settings.regenerate_share) > int(index * settings.regenerate_share)
+
+
 def shard_paths(data_dir: Path) -> list[Path]:
     return sorted((Path(data_dir) / "shards").glob("shard-*.jsonl"))
-
-
-def _fit_prompt(target: Target, messages: list[dict], settings: DataSettings, counts: dict):
-    """The prompt's ids and mask (earlier replies marked), or None if it is too long and cannot be cut."""
-    chat = tokenize_chat(target.tokenizer, messages, add_generation_prompt=True)
-    if len(chat.input_ids) <= settings.max_prompt_tokens:
-        return chat
-    if settings.long_prompts == "skip":
-        counts["skipped_long_prompts"] += 1
-        return None
-    # truncate: cut the last user turn's text until the rendered prompt fits
-    overflow = len(chat.input_ids) - settings.max_prompt_tokens
-    content_ids = target.tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]
-    if overflow + 8 >= len(content_ids):
-        counts["skipped_long_prompts"] += 1
-        return None
-    messages[-1] = dict(messages[-1], content=target.tokenizer.decode(content_ids[: len(content_ids) - overflow - 8]))
-    counts["truncated_prompts"] += 1
-    chat = tokenize_chat(target.tokenizer, messages, add_generation_prompt=True)
-    return chat if len(chat.input_ids) <= settings.max_prompt_tokens else None
 
 
 def plan_batches(convs: list[sources.Conversation], batch_size: int, seed: int) -> list[list[sources.Conversation]]:
@@ -152,55 +168,6 @@ def plan_batches(convs: list[sources.Conversation], batch_size: int, seed: int) 
         group = sorted(order[start:start + window], key=lambda c: len(c.messages[0]["content"]))
         batches.extend(group[i:i + batch_size] for i in range(0, len(group), batch_size))
     return batches
-
-
-def regenerate_batch(target: Target, batch: list[sources.Conversation], settings: DataSettings,
-                     generator: torch.Generator, counts: dict, on_tokens, capture_layers=()) -> list[dict]:
-    """Rewrite up to max_turns assistant turns of each conversation, turn by turn.
-
-    A record is the last turn's prompt + reply, as ids, with the features of
-    that one forward pass when capture_layers is given.
-    """
-    chats = {c.id: [] for c in batch}
-    records: dict[str, dict] = {}
-    alive = list(batch)
-    for turn in range(settings.max_turns):
-        jobs = []
-        for conv in alive:
-            users = [i for i, m in enumerate(conv.messages) if m["role"] == "user"]
-            if turn >= len(users):
-                continue
-            head = conv.messages[: users[0]] if turn == 0 else []      # a system turn before the first question
-            messages = chats[conv.id] + head + [dict(conv.messages[users[turn]])]
-            prompt = _fit_prompt(target, messages, settings, counts)
-            if prompt is not None:
-                jobs.append((conv, messages, prompt))
-        if not jobs:
-            break
-        prompts = [p.input_ids for _, _, p in jobs]
-        if settings.backend == "vllm":
-            from . import vllm_backend
-            seed = int(torch.randint(0, 2 ** 31, (1,), generator=generator))
-            outs = vllm_backend.generate_batch(target, prompts, settings.max_new_tokens, settings.temperature,
-                                               settings.top_p, seed, on_tokens)
-        else:
-            outs = generate_batch(target, prompts, settings.max_new_tokens, settings.temperature, settings.top_p,
-                                  generator, on_tokens=on_tokens, capture_layers=capture_layers)
-        alive = []
-        for (conv, messages, prompt), out in zip(jobs, outs):
-            reply_ids = [t for t in out.token_ids if t not in target.eos_token_ids]
-            reply = target.tokenizer.decode(reply_ids, skip_special_tokens=True)
-            if not reply.strip():
-                continue
-            counts["generated_tokens"] += len(out.token_ids)
-            chats[conv.id] = messages + [{"role": "assistant", "content": reply}]
-            records[conv.id] = {"id": conv.id, "messages": chats[conv.id],
-                                "input_ids": prompt.input_ids + out.token_ids,
-                                "loss_mask": prompt.loss_mask + [1] * len(out.token_ids),
-                                "features": out.features}
-            if out.stopped:
-                alive.append(conv)   # a reply cut at max_new_tokens ends the conversation
-    return [records[c.id] for c in batch if c.id in records]
 
 
 def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, progress: bool = True,
@@ -218,16 +185,15 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
     if settings.max_conversations is not None:
         # whole batches only, so a resume with another max_conversations reuses every shard as it is
         batches = batches[: -(-settings.max_conversations // settings.batch_size)]
-    # vLLM hands back no hidden states: its shards get their features from one forward each, afterwards
-    capture_layers = sorted(set(capture_layers)) if settings.regenerate and settings.backend == "transformers" else []
+    capture_layers = sorted(set(capture_layers))
     features_dir = feature_cache.cache_dir(out_dir, capture_layers)
     if capture_layers:
         upper = sum(len(b) for b in batches) * (settings.max_prompt_tokens + settings.max_new_tokens)
         log.info("feature cache %s: at most %.0f MB (layers %s, bf16)", features_dir,
                  feature_cache.estimate_bytes(upper, capture_layers, target.hidden_size) / 1e6, capture_layers)
-    counts = {"generated_tokens": 0, "skipped_long_prompts": 0, "truncated_prompts": 0}
+    counts = {"generated_tokens": 0, "prefilled_tokens": 0, "skipped_long_prompts": 0, "truncated_prompts": 0}
     start = time.time()
-    bar = tqdm(total=sum(len(b) for b in batches), desc="self-distillation" if settings.regenerate else "reading",
+    bar = tqdm(total=sum(len(b) for b in batches), desc=f"data ({settings.mode})",
                unit="conv", disable=not progress, dynamic_ncols=True)
     new_tokens = [0]
 
@@ -235,50 +201,84 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
         new_tokens[0] += n
         bar.set_postfix_str(f"{new_tokens[0] / max(time.time() - start, 1e-6):.0f} tok/s", refresh=False)
 
-    for index, batch in enumerate(batches):
-        shard = out_dir / "shards" / f"shard-{index:05d}.jsonl"
-        if shard.exists():
-            bar.update(len(batch))
-            continue
-        if settings.max_minutes is not None and time.time() - start > settings.max_minutes * 60:
-            log.warning("data.max_minutes=%s reached: kept %d finished batches; rerun to continue",
-                        settings.max_minutes, index)
-            break
-        if settings.regenerate:
-            generator = torch.Generator(device=target.device).manual_seed(seed * 1_000_003 + index)
-            records = regenerate_batch(target, batch, settings, generator, counts, on_tokens, capture_layers)
-        else:
-            records = [_as_is(target, c, settings) for c in batch]
-            records = [r for r in records if r is not None]
+    def write(index: int, records: list[dict]) -> None:
+        """Features first, then the shard (its existence marks the shard done), each atomically."""
+        if capture_layers and any(r.get("features") is None for r in records):
+            # prefill (and vLLM) shards: one forward of the target over every token
+            computed = feature_cache.compute_features(target, records, capture_layers)
+            for record, feats in zip(records, computed):
+                record["features"] = feats
         if capture_layers:
             feature_cache.write_shard(features_dir / f"shard-{index:05d}.safetensors",
                                       [r.pop("features") for r in records], capture_layers,
                                       target.identity.weights_sha256)
         for r in records:
             r.pop("features", None)
-        write_atomic(shard, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-        bar.update(len(batch))
+        write_atomic(out_dir / "shards" / f"shard-{index:05d}.jsonl",
+                     "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        bar.update(len(batches[index]))
+
+    # draftsmith's engine keeps one batch full across shards; vLLM batches on its own (no features)
+    engine = (Regenerator(target, settings, seed, counts, on_tokens, capture_layers, write)
+              if settings.backend == "transformers" and settings.mode != "prefill" else None)
+    for index, batch in enumerate(batches):
+        shard = out_dir / "shards" / f"shard-{index:05d}.jsonl"
+        if shard.exists():
+            bar.update(len(batch))
+            continue
+        if settings.max_minutes is not None and time.time() - start > settings.max_minutes * 60:
+            log.warning("data.max_minutes=%s reached after %d planned batches: finishing those in flight; "
+                        "rerun to continue", settings.max_minutes, index)
+            break
+        if not batch_regenerates(settings, index):
+            records = [r for r in (_as_is(target, c, settings) for c in batch) if r is not None]
+            counts["prefilled_tokens"] += sum(len(r["input_ids"]) for r in records)
+            on_tokens(sum(len(r["input_ids"]) for r in records))
+            write(index, records)
+        elif engine is not None:
+            engine.admit(index, batch)
+        else:
+            write(index, regenerate_batch(target, ShardWork(target, index, batch, settings, seed, counts), on_tokens))
+    if engine is not None:
+        engine.finish()
     bar.close()
     seconds = time.time() - start
     return finish(out_dir, settings, stats, counts, seconds)
 
 
 def _as_is(target: Target, conv: sources.Conversation, settings: DataSettings) -> dict | None:
-    chat = tokenize_chat(target.tokenizer, conv.messages)
+    """A conversation as the source wrote it, every assistant turn marked, cut to max_seq_len."""
+    chat = tokenize_chat(target.tokenizer, conv.messages, max_length=settings.max_seq_len)
     if sum(chat.loss_mask) == 0:
         return None
     return {"id": conv.id, "messages": conv.messages, "input_ids": chat.input_ids, "loss_mask": chat.loss_mask}
 
 
+def check_same_data(out_dir: Path, settings: DataSettings, seed: int, target: Target) -> None:
+    """Refuse data on disk made with other settings (source, mode, lengths, seed, target), naming what differs."""
+    manifest_path = Path(out_dir) / "manifest.json"
+    if not manifest_path.exists():
+        return
+    manifest = json.loads(manifest_path.read_text())
+    key = fingerprint(settings, seed, target.identity.to_dict())
+    if manifest.get("fingerprint") == key:
+        return
+    saved = DataSettings(**{k: v for k, v in (manifest.get("settings") or {}).items()
+                            if k in DataSettings.__dataclass_fields__})
+    diffs = [f"{name}: on disk {getattr(saved, name)!r}, recipe {getattr(settings, name)!r}"
+             for name in DataSettings.__dataclass_fields__ if getattr(saved, name) != getattr(settings, name)
+             and name not in ("max_minutes", "max_conversations")]
+    if manifest.get("seed") != seed:
+        diffs.append(f"seed: on disk {manifest.get('seed')}, recipe {seed}")
+    raise ValueError(
+        f"{out_dir} holds data made with other settings ({'; '.join(diffs) or 'fingerprint ' + str(manifest.get('fingerprint'))})."
+        f" Use another output_dir, or delete {out_dir} to make it again with the recipe's settings")
+
+
 def _check_manifest(out_dir: Path, settings: DataSettings, seed: int, target: Target) -> None:
-    key = fingerprint(settings, seed, target.identity.to_dict()) if settings.regenerate else "source-as-is"
+    check_same_data(out_dir, settings, seed, target)
+    key = fingerprint(settings, seed, target.identity.to_dict())
     manifest_path = out_dir / "manifest.json"
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("fingerprint") != key:
-            raise ValueError(
-                f"{out_dir} holds data made with other settings (fingerprint {manifest.get('fingerprint')} vs {key}: "
-                f"it was {manifest.get('settings')}). Use another output_dir, or delete {out_dir} to start over")
     write_atomic(manifest_path, json.dumps({"fingerprint": key, "settings": asdict(settings), "seed": seed,
                                             "target": target.identity.to_dict()}, indent=1))
 
@@ -307,7 +307,8 @@ def finish(out_dir: Path, settings: DataSettings, stats, counts: dict, seconds: 
     table.save_to_disk(str(tmp))
     _replace_dir(tmp, out_dir / "tokenized")
     return DataReport(
-        conversations=len(rows["id"]), generated_tokens=counts["generated_tokens"], seconds=seconds,
+        conversations=len(rows["id"]), generated_tokens=counts["generated_tokens"],
+        prefilled_tokens=counts["prefilled_tokens"], seconds=seconds,
         skipped_long_prompts=counts["skipped_long_prompts"], truncated_prompts=counts["truncated_prompts"],
         source_summary=stats.summary(), training_tokens=sum(len(x) for x in rows["input_ids"]),
         assistant_tokens=sum(sum(m) for m in rows["loss_mask"]))

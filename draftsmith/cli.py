@@ -50,7 +50,7 @@ def cmd_data(args) -> dict:
     report = make_recipe_data(recipe, target)
     print(f"data: {report.conversations} conversations, {report.training_tokens} tokens "
           f"({report.assistant_tokens} reply tokens) in {recipe.out / 'data'}; generated {report.generated_tokens} "
-          f"tokens in {report.seconds:.0f}s ({report.tokens_per_second:.0f} tok/s); "
+          f"and prefilled {report.prefilled_tokens} tokens in {report.seconds:.0f}s ({report.tokens_per_second:.0f} tok/s); "
           f"{report.skipped_long_prompts} long prompts skipped, {report.truncated_prompts} truncated")
     return vars(report) | {"tokens_per_second": report.tokens_per_second}
 
@@ -79,7 +79,7 @@ def _eval_options(args):
         chain_length=args.chain or None, tree_size=args.tree or None, temperature=args.temperature,
         top_p=args.top_p, rule=args.rule, dtype=args.dtype, baselines=tuple(args.baselines.split(",")),
         exact_prompts=args.exact_prompts, seed=args.seed, cost_per_hour=args.cost_per_hour, target_path=args.target,
-        device=str(resolve_device(args.device)))    # checked before any work
+        device=str(resolve_device(args.device)), max_minutes=args.max_minutes)    # the device: checked first
 
 
 def cmd_eval(args) -> dict:
@@ -111,11 +111,11 @@ def cmd_quickstart(args) -> dict:
     print(f"== draftsmith quickstart: {recipe.method} drafter for {recipe.target.path}, writing {recipe.out}", flush=True)
     device = resolve_device(recipe.target.device)
     target = Target.load(recipe.target.path, recipe.target.dtype, device, trust_remote_code=recipe.target.trust_remote_code)
-    print(f"== 1/3 self-distillation: the target writes its own replies (at most {recipe.data.max_minutes} min)",
-          flush=True)
+    print(f"== 1/3 data ({recipe.data.mode}): the target labels its training data (at most "
+          f"{recipe.data.max_minutes} min)", flush=True)
     data = make_recipe_data(recipe, target)
-    print(f"   {data.conversations} conversations, {data.generated_tokens} tokens generated at "
-          f"{data.tokens_per_second:.0f} tok/s", flush=True)
+    print(f"   {data.conversations} conversations ({data.assistant_tokens} reply tokens): {data.generated_tokens} "
+          f"tokens generated, {data.prefilled_tokens} prefilled, {data.tokens_per_second:.0f} tok/s", flush=True)
     print(f"== 2/3 training (at most {recipe.train.max_minutes} min)", flush=True)
     trained = fit(recipe, target=target)
     print(f"   {trained.steps} steps at {trained.tokens_per_second:.0f} tok/s; held-out agreement "
@@ -126,13 +126,13 @@ def cmd_quickstart(args) -> dict:
                           chain_length=recipe.eval.chain_length, tree_size=recipe.eval.tree_size,
                           temperature=recipe.eval.temperature, top_p=recipe.eval.top_p, dtype=recipe.eval.dtype,
                           baselines=recipe.eval.baselines, target_path=recipe.target.path, seed=recipe.seed,
-                          device=str(device))
+                          device=str(device), max_minutes=recipe.eval.max_minutes)
     report = evaluate(trained.checkpoint, options)
     write_json(report, recipe.out / "eval.json")
     print()
     print(markdown(report))
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
-    print(f"\ndata {data.tokens_per_second:.0f} tok/s generated, training {trained.tokens_per_second:.0f} tok/s, "
+    print(f"\ndata {data.tokens_per_second:.0f} tok/s, training {trained.tokens_per_second:.0f} tok/s, "
           f"peak memory {peak_gib:.1f} GiB, total {(time.time() - start) / 60:.1f} min; "
           f"wrote {recipe.out / 'eval.json'}")
     return report.to_dict()
@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--rule", default="auto", choices=["auto", "greedy", "sampling", "typical"],
                    help="acceptance rule; typical is Medusa's and NOT lossless")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="auto: bf16 where native, else packed fp16 weights on x86 CPUs (float16), else fp32")
     p.add_argument("--baselines", default="plain,generate", help="plain,generate,prompt-lookup")
     p.add_argument("--exact-prompts", type=int, default=3, help="prompts checked for fp32 exactness")
     p.add_argument("--seed", type=int, default=0)
@@ -180,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="target path (default: the one the checkpoint names)")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="fit the timed runs into this budget (prompts, then tokens, cut from a measured forward cost)")
 
     p = sub.add_parser("quickstart", help="data + training + evaluation on the embedded default target")
     p.add_argument("--recipe", default=QUICKSTART_RECIPE)

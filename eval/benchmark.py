@@ -51,6 +51,7 @@ class EvalOptions:
     target_path: str | None = None     # default: the one the checkpoint names
     tree_depth_topk_total: tuple | None = None   # a dynamic tree, when one was chosen (the fp32 check reuses it)
     device: str = "auto"               # auto (cuda when present, else cpu), cpu, cuda, cuda:N
+    max_minutes: float | None = None   # size prompts and tokens to fit this budget, measured on this machine
 
 
 @dataclass
@@ -77,6 +78,9 @@ class EvalReport:
     target: str
     device: str
     warmup: str
+    sizing: str
+    target_forward_ms: float           # one-token target forward (batch 1, 200 cached tokens), measured here
+    draft_step_ms: float | None        # one drafter proposal step (one drafted level), measured here
     prompts_source: str
     dtype: str
     proposal: str
@@ -153,7 +157,7 @@ def block_cost(target: Target, sizes: list[int], context: int = 200, repeats: in
 
 def tune_tree_size(drafter, target: Target) -> int:
     """The static tree size with the best expected tokens per second on this machine."""
-    sizes = [4, 8, 12, 16, 24, 32, 48, 64]
+    sizes = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
     costs = block_cost(target, [s + 1 for s in sizes])
     rates = drafter.metadata.get("topk_accuracy")
     best = max(sizes, key=lambda s: (1 + drafter.default_tree(s).expected_accepted(rates or [[0.0]])) / costs[s + 1]
@@ -162,7 +166,7 @@ def tune_tree_size(drafter, target: Target) -> int:
     return best
 
 
-DYNAMIC_TREES = [(2, 1, 2), (3, 1, 3), (4, 1, 4), (5, 1, 5), (3, 2, 6), (4, 3, 10), (4, 4, 14), (5, 8, 32)]
+DYNAMIC_TREES = [(1, 1, 1), (2, 1, 2), (3, 1, 3), (4, 1, 4), (5, 1, 5), (3, 2, 6), (4, 3, 10), (4, 4, 14), (5, 8, 32)]
 
 
 def tune_dynamic_tree(drafter, target: Target, options: EvalOptions):
@@ -261,11 +265,13 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     target = Target.load(target_path, dtype, device)
-    drafter = load_drafter(checkpoint, target).to(dtype)
+    drafter = load_drafter(checkpoint, target).to(target.dtype)     # fp32 beside a CPU float16 (packed) target
     description = configure_proposal(drafter, target, options)
     prompts = load_prompts(target, options.prompts, options.limit)
     # warm-up: every mode once, untimed (first calls allocate, and on a GPU load kernels)
     run_modes(target, drafter, prompts[0][1][:32], EvalOptions(**{**asdict(options), "max_new_tokens": 8}), 0)
+    costs = step_costs(target, drafter, prompts[0][1])
+    prompts, sizing = fit_budget(prompts, options, costs["target_forward_ms"] / 1000, dtype)
     results = []
     for index, (prompt_id, prompt) in enumerate(prompts):
         timed = run_modes(target, drafter, prompt, options, options.seed + 2 * index)
@@ -283,8 +289,70 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
         mismatch = next((r.id for r in results if not r.bf16_identical), None)
     else:
         exact, mismatch = check_exactness(checkpoint, target_path, prompts, options, exact_count)
-    return summarize(checkpoint, config, target_path, options, description, dtype, results, exact, exact_count,
-                     mismatch)
+    report = summarize(checkpoint, config, target_path, options, description, dtype, results, exact, exact_count,
+                       mismatch)
+    report.sizing, report.target_forward_ms, report.draft_step_ms = (sizing, costs["target_forward_ms"],
+                                                                     costs["draft_step_ms"])
+    report.dtype = target.precision
+    return report
+
+
+def step_costs(target: Target, drafter, prompt: list[int]) -> dict:
+    """Median ms of a one-token target forward and of one drafter step (a proposal divided by its depth)."""
+    forward = block_cost(target, [1])[1] * 1000
+    step = measure_draft_step(target, drafter, prompt) * 1000 if drafter is not None else None
+    return {"target_forward_ms": forward, "draft_step_ms": step}
+
+
+@torch.no_grad()
+def measure_draft_step(target: Target, drafter, prompt: list[int], repeats: int = 7) -> float:
+    """Median seconds of one drafter step in steady state: a proposal after one newly committed token,
+    divided by the levels it drafts (an EAGLE level is one drafter forward; Medusa drafts all at once)."""
+    from draftsmith.heads.drafter import DraftContext
+
+    repeats = max(1, min(repeats, len(prompt) - 2))
+    ids = torch.tensor([prompt], device=target.device)
+    cache = target.new_cache(1, len(prompt) + 1)
+    hidden = target.forward_block(cache, ids, torch.arange(len(prompt), device=target.device)[None],
+                                  layer_ids=drafter.required_layers, logits="none").hidden_states
+    start = len(prompt) - repeats - 1
+    drafter.reset()
+    drafter.propose(DraftContext(tokens=ids[0, :start], hidden={i: h[0, :start] for i, h in hidden.items()},
+                                 next_token=prompt[start], position=start))
+    times = []
+    for j in range(start, start + repeats):
+        context = DraftContext(tokens=ids[0, j:j + 1], hidden={i: h[0, j:j + 1] for i, h in hidden.items()},
+                               next_token=prompt[j + 1], position=j + 1)
+        synchronize(target.device)
+        t = time.perf_counter()
+        drafter.propose(context)
+        synchronize(target.device)
+        times.append(time.perf_counter() - t)
+    levels = drafter.tree.depth if hasattr(drafter, "tree") and hasattr(drafter.tree, "depth") else 1
+    return sorted(times)[len(times) // 2] / levels
+
+
+def fit_budget(prompts: list, options: EvalOptions, forward_seconds: float, dtype) -> tuple[list, str]:
+    """Cut prompts (then tokens) so the timed runs fit options.max_minutes, from the measured forward cost.
+
+    Estimated per prompt: max_new_tokens one-token forwards for plain decoding and for each transformers
+    baseline (generate runs about as fast), and as many again for speculative decoding (drafts and
+    verification together cost at most about that when they pay); the fp32 exactness check decodes
+    exact_prompts twice in fp32 (taken as twice the cost of a bf16 forward)."""
+    if not options.max_minutes:
+        return prompts, f"{len(prompts)} prompts x {options.max_new_tokens} tokens (no time budget)"
+    budget = options.max_minutes * 60
+    modes = 2 + sum(1 for b in options.baselines if b != "plain" and options.temperature <= 0)
+    exact_runs = 0 if dtype == torch.float32 else 2 * 2 * min(options.exact_prompts, len(prompts))
+    per_prompt = modes * options.max_new_tokens * forward_seconds
+    fits = int((budget - exact_runs * options.max_new_tokens * forward_seconds) // per_prompt)
+    chosen = max(3, min(len(prompts), fits))
+    if chosen * per_prompt > budget:       # even 3 prompts do not fit: shorten the replies instead
+        options.max_new_tokens = max(32, int(budget / ((3 * modes + exact_runs) * forward_seconds)))
+    sizing = (f"{chosen} prompts x {options.max_new_tokens} tokens, sized to {options.max_minutes:g} min from a "
+              f"measured {forward_seconds * 1000:.0f} ms target forward (asked: {len(prompts)} prompts)")
+    log.info("eval: %s", sizing)
+    return prompts[:chosen], sizing
 
 
 def summarize(checkpoint, config, target_path, options, description, dtype, results, exact, exact_count,
@@ -308,6 +376,7 @@ def summarize(checkpoint, config, target_path, options, description, dtype, resu
     return EvalReport(
         checkpoint=str(checkpoint), kind=config["kind"], target=target_path,
         device=str(resolve_device(options.device)), warmup="every mode run once (8 tokens) before timing",
+        sizing="", target_forward_ms=0.0, draft_step_ms=None,
         prompts_source=options.prompts,
         dtype=str(dtype).replace("torch.", ""), proposal=description, temperature=options.temperature,
         max_new_tokens=options.max_new_tokens, prompts=len(results), tau=metrics.tau(accepted),

@@ -29,13 +29,17 @@ def markdown(report: EvalReport) -> str:
     lines += [
         "",
         f"- tau (tokens per target forward): **{report.tau:.2f}**",
+        f"- cost per step on this machine: target forward (1 token) {report.target_forward_ms:.1f} ms"
+        + (f", drafter step {report.draft_step_ms:.1f} ms ({report.draft_step_ms / report.target_forward_ms:.0%} "
+           "of a target forward)" if report.draft_step_ms is not None else ""),
+        f"- sized: {report.sizing}",
         "- per-position acceptance: " + " ".join(f"{a:.2f}" for a in report.per_position_acceptance)
         + "  (conditional: " + " ".join(f"{a:.2f}" for a in report.conditional_acceptance) + ")",
         f"- greedy exact (fp32, {report.exact_checked_prompts} prompts): **{report.greedy_exact}**"
         + (f" (first mismatch: {report.first_mismatch})" if report.first_mismatch else ""),
     ]
     if report.bf16_token_agreement is not None:
-        lines.append(f"- bf16 token agreement with plain bf16 decoding: {report.bf16_token_agreement:.3f}")
+        lines.append(f"- token agreement with plain decoding in the same precision: {report.bf16_token_agreement:.3f}")
     if report.cost_per_request:
         lines.append("- cost per request: " + ", ".join(f"{MODE_NAMES.get(m, m)} {c:.6f}"
                                                           for m, c in report.cost_per_request.items()))

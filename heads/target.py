@@ -86,12 +86,17 @@ def _require_causal_lm(model_dir: Path, path: str) -> None:
 
 
 def preferred_dtype(device: str | torch.device = "cpu") -> torch.dtype:
-    """bf16 where the device computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), else fp32."""
+    """bf16 where the device computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX); on other
+    x86 CPUs float16, i.e. fp16 weights packed for decoding with fp32 activations (heads/cpu_linear.py);
+    else fp32."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     if device.type == "cpu":
-        return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported() else torch.float32
+        if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+            return torch.bfloat16
+        from .cpu_linear import fbgemm_fp16_available
+        return torch.float16 if fbgemm_fp16_available() else torch.float32
     return torch.float32
 
 
@@ -102,7 +107,7 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -
     if name == "auto":
         return preferred_dtype(device)
     if name not in ("bfloat16", "float32", "float16"):
-        raise ValueError(f"dtype must be auto, bfloat16 or float32, got '{name}'")
+        raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got '{name}'")
     return getattr(torch, name)
 
 
@@ -128,6 +133,7 @@ class Target:
         )
         self.eos_token_ids = self._eos_ids()
         self.source = name
+        self.precision = str(self.dtype).replace("torch.", "")     # what the forwards compute in
 
     # -- loading ---------------------------------------------------------------
     @classmethod
@@ -143,14 +149,27 @@ class Target:
         model_dir, name = resolve_target_path(path, trust_remote_code=trust_remote_code)
         _require_causal_lm(Path(model_dir), path)
         torch_dtype = resolve_dtype(dtype, device)
+        # float16 on a CPU: fp32 weights, plus fp16 copies packed for small blocks (heads/cpu_linear.py)
+        packed = torch_dtype == torch.float16 and device.type == "cpu"
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=torch_dtype, attn_implementation=engine.ENGINE_ATTENTION,
+                model_dir, dtype=torch.float32 if packed else torch_dtype, attn_implementation=engine.ENGINE_ATTENTION,
                 trust_remote_code=trust_remote_code, local_files_only=True)
         except (ValueError, KeyError) as err:
             raise TargetError(f"target '{path}' ({model_dir}) does not load as a causal LM: {err}") from err
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code, local_files_only=True)
-        target = cls(model.to(device), tokenizer, name)
+        model = model.to(device)
+        precision = str(torch_dtype).replace("torch.", "")
+        if packed:
+            from .cpu_linear import fbgemm_fp16_available, pack_linears
+            if fbgemm_fp16_available():
+                pack_linears(model)
+                precision = "float16 (fp16 weights packed for CPU decoding, fp32 activations)"
+            else:
+                log.warning("float16 on this CPU needs FBGEMM, which this PyTorch lacks: using float32")
+                precision = "float32"
+        target = cls(model, tokenizer, name)
+        target.precision = precision
         # where it came from, to find it again (an embedded name, or an absolute local path)
         target.source = path if not Path(path).expanduser().exists() else str(Path(path).expanduser().resolve())
         target.self_check()

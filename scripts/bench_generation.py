@@ -1,6 +1,8 @@
-"""Self-distillation throughput: generated tokens/s of draftsmith's batched engine vs transformers' generate.
+"""Self-distillation throughput: generated tokens/s of draftsmith's engine, fixed batches (the batch
+shrinks as rows finish) and continuous batching (finished rows refilled: data/stream.py, what
+`draftsmith data` uses), side by side; optionally transformers' generate and the vLLM backend.
 
-    python scripts/bench_generation.py --batch-sizes 32 64 128 --prompts 128 --max-new-tokens 256
+    python scripts/bench_generation.py --batch-sizes 32 64 --prompts 128 --max-new-tokens 256
 
 Prompts are ShareGPT first turns rendered with the target's chat template
 (longest first-turn prompts skipped, as data.max_prompt_tokens does).  Both
@@ -13,6 +15,7 @@ import torch
 from draftsmith.data import sources
 from draftsmith.data.chat import prompt_ids
 from draftsmith.data.generate import generate_batch
+from draftsmith.data.stream import generate_stream
 from draftsmith.heads.device import resolve_device, synchronize
 from draftsmith.heads.target import Target
 
@@ -52,7 +55,14 @@ def main():
             generated += sum(len(o.token_ids) for o in outs)
         synchronize(target.device)
         seconds = time.perf_counter() - start
-        line = f"batch {batch_size:>4}: draftsmith {generated / seconds:7.1f} tok/s ({generated} tokens, {seconds:.0f}s)"
+        line = f"batch {batch_size:>4}: fixed batches {generated / seconds:7.1f} tok/s ({generated} tokens, {seconds:.0f}s)"
+        synchronize(target.device)
+        start = time.perf_counter()
+        outs = generate_stream(target, prompts, args.max_new_tokens, rows=batch_size, capture_layers=args.capture)
+        synchronize(target.device)
+        c_seconds, c_generated = time.perf_counter() - start, sum(len(o.token_ids) for o in outs)
+        line += (f" | continuous {c_generated / c_seconds:7.1f} tok/s ({c_generated} tokens, {c_seconds:.0f}s; "
+                 f"{c_generated / c_seconds / (generated / seconds):.2f}x)")
         if args.hf:
             tok = target.tokenizer
             hf_generated, start = 0, time.perf_counter()

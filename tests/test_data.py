@@ -157,27 +157,102 @@ def test_corrupted_feature_shard_is_named_and_only_it_is_rebuilt(tiny_target, tm
         feature_cache.ShardReader(victim, [0, 1], tiny_target.identity.weights_sha256)
 
 
+def dialogues_file(path: Path, count: int) -> Path:
+    """Two-turn conversations with the source's own replies (for prefill)."""
+    words = ["the", "time", "is", "one", "of", "the", "day", "and", "the", "night", "of", "water", "fish", "sea"]
+    rows = []
+    for i in range(count):
+        def text(k, n):
+            return " ".join(words[(i * 3 + k + j) % len(words)] for j in range(n))
+        rows.append({"id": f"d{i}", "messages": [
+            {"role": "user", "content": text(0, 3 + i % 4)}, {"role": "assistant", "content": text(1, 6 + i % 5)},
+            {"role": "user", "content": text(2, 4)}, {"role": "assistant", "content": text(3, 5 + i % 3)}]})
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def test_prefill_labels_are_the_targets_own_at_every_reply_position(tiny_target, tmp_path):
+    """mode=prefill keeps the source's text (both assistant turns) and labels it with the target's own
+    next-token choice, recomputed from the cached final layer: it must equal the model's own argmax."""
+    from draftsmith.data.distill import read_shard, shard_paths
+    from draftsmith.heads.medusa import Medusa, MedusaConfig
+    from draftsmith.train.batches import FeatureSource, collate
+
+    settings = DataSettings(source=str(dialogues_file(tmp_path / "d.jsonl", 6)), mode="prefill",
+                            max_conversations=None, batch_size=3)
+    N = tiny_target.num_layers
+    report = make_data(tiny_target, settings, tmp_path / "data", seed=0, progress=False, capture_layers=[N])
+    assert report.generated_tokens == 0 and report.prefilled_tokens > 0 and report.conversations == 6
+    rows = []
+    for shard in shard_paths(tmp_path / "data"):
+        for row, record in enumerate(read_shard(shard)):
+            assert record["messages"][3]["content"] in tiny_target.tokenizer.decode(record["input_ids"])
+            starts = sum(1 for a, b in zip([0] + record["loss_mask"], record["loss_mask"]) if b and not a)
+            assert starts == 2                                   # both assistant turns are trained on
+            rows.append({**record, "shard": shard.stem, "row": row})
+    from draftsmith.data import features as feature_cache
+    cache = FeatureSource(feature_cache.cache_dir(tmp_path / "data", [N]), [N], tiny_target.identity.weights_sha256)
+    batch = collate(rows)
+    batch["features"] = cache.batch(rows, batch["input_ids"].shape[1])
+    labels = Medusa(MedusaConfig(num_heads=2), tiny_target)._next_tokens(batch)          # [b, s]
+    with torch.no_grad():
+        own = tiny_target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
+    scored = torch.nn.functional.pad(batch["loss_mask"][:, 1:], (0, 1)).bool()     # the next token is a reply token
+    agree = (labels[scored] == own[scored]).float().mean().item()
+    source_agree = (torch.nn.functional.pad(batch["input_ids"][:, 1:], (0, 1))[scored] == own[scored]).float().mean()
+    assert agree >= 0.97, agree                 # bf16 cache: a near-tie may flip, nothing more
+    assert source_agree < 0.5                   # and the labels are not the source's text
+
+
+def test_training_refuses_data_made_for_another_recipe(tiny_target, tmp_path):
+    from draftsmith.train.batches import load_training_data
+    from draftsmith.train.settings import recipe_from_dict
+
+    first = dialogues_file(tmp_path / "a.jsonl", 8)
+    raw = {"method": "medusa", "output_dir": str(tmp_path / "run"), "target": {"path": str(tiny_target.source)},
+           "data": {"source": str(first), "mode": "prefill", "max_conversations": None, "batch_size": 4},
+           "drafter": {"num_heads": 2}}
+    load_training_data(recipe_from_dict(raw), tiny_target)                         # makes the data
+    raw["data"]["source"] = str(dialogues_file(tmp_path / "b.jsonl", 8))
+    with pytest.raises(ValueError, match=r"other settings \(source: on disk '.*a.jsonl', recipe '.*b.jsonl'"):
+        load_training_data(recipe_from_dict(raw), tiny_target)
+    raw["data"].update(source=str(first), mode="regenerate")
+    with pytest.raises(ValueError, match=r"mode: on disk 'prefill', recipe 'regenerate'"):
+        load_training_data(recipe_from_dict(raw), tiny_target)
+
+
+def test_mix_regenerates_its_share_of_batches():
+    from draftsmith.data.distill import batch_regenerates
+    settings = DataSettings(mode="mix", regenerate_share=0.25)
+    assert [batch_regenerates(settings, i) for i in range(8)] == [False, False, False, True] * 2
+    assert DataSettings(regenerate=False).mode == "prefill"
+    with pytest.raises(ValueError, match="data.mode"):
+        DataSettings(mode="distill")
+
+
 DATA_SCRIPT = """
 import sys
 from draftsmith.data.distill import DataSettings, make_data
 from draftsmith.heads.target import Target
-target = Target.load(sys.argv[1], "float32")
+target = Target.load(sys.argv[1], "float32", "cpu")
 make_data(target, DataSettings(source=sys.argv[2], max_conversations=None, batch_size=2, max_new_tokens=48,
-                               temperature=0.9), sys.argv[3], seed=5, progress=False)
+                               temperature=0.9, mode=sys.argv[4], regenerate_share=0.5), sys.argv[3], seed=5,
+          progress=False, capture_layers=[target.num_layers])
 """
 
 
-def test_data_generation_killed_and_restarted_loses_and_duplicates_nothing(tiny_target_dir, tmp_path):
-    source = chats_file(tmp_path / "chats.jsonl", 60)
+@pytest.mark.parametrize("mode", ["regenerate", "mix"])
+def test_data_generation_killed_and_restarted_loses_and_duplicates_nothing(tiny_target_dir, tmp_path, mode):
+    source = (chats_file if mode == "regenerate" else dialogues_file)(tmp_path / "chats.jsonl", 60)
     script = tmp_path / "make.py"
     script.write_text(DATA_SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     run = [sys.executable, str(script), str(tiny_target_dir), str(source)]
 
-    subprocess.run(run + [str(tmp_path / "whole")], check=True, env=env, timeout=600)
+    subprocess.run(run + [str(tmp_path / "whole"), mode], check=True, env=env, timeout=600)
 
     shards = tmp_path / "killed" / "shards"
-    proc = subprocess.Popen(run + [str(tmp_path / "killed")], env=env)
+    proc = subprocess.Popen(run + [str(tmp_path / "killed"), mode], env=env)
     deadline = time.time() + 300
     while not (shards / "shard-00003.jsonl").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.005)
@@ -185,7 +260,7 @@ def test_data_generation_killed_and_restarted_loses_and_duplicates_nothing(tiny_
     proc.wait()
     finished_before_kill = len(list(shards.glob("shard-*.jsonl")))
     assert 0 < finished_before_kill < 30, "the kill did not land mid-run; the test exercised nothing"
-    subprocess.run(run + [str(tmp_path / "killed")], check=True, env=env, timeout=600)
+    subprocess.run(run + [str(tmp_path / "killed"), mode], check=True, env=env, timeout=600)
 
     def records(directory):
         lines = []
@@ -196,6 +271,11 @@ def test_data_generation_killed_and_restarted_loses_and_duplicates_nothing(tiny_
     assert [r["id"] for r in resumed] == [r["id"] for r in whole]          # nothing lost, nothing twice
     assert resumed == whole                                                 # sampling is seeded per batch
     assert not list(shards.glob("*.tmp*"))
+    if mode == "mix":                                   # both kinds of batch are there, each with its features
+        assert any(0 in r["loss_mask"][r["loss_mask"].index(1):] for r in resumed)     # prefilled: two turns
+        cache = tmp_path / "killed" / "data" / "features"
+        features = sorted((tmp_path / "killed" / "features").glob("L*/shard-*.safetensors"))
+        assert len(features) == len(list(shards.glob("shard-*.jsonl"))), cache
 
 
 @pytest.mark.parametrize("mode", ["skip", "truncate"])
@@ -215,3 +295,45 @@ def test_prompts_longer_than_the_maximum_are_skipped_or_truncated_and_counted(ti
         from draftsmith.data.distill import read_shard, shard_paths
         long = next(r for s in shard_paths(tmp_path / mode) for r in read_shard(s) if r["id"] == "long")
         assert long["loss_mask"].index(1) <= 40                    # the prompt part fits the maximum
+
+
+def test_continuous_batching_gives_one_by_one_greedy_output_and_features(tiny_target, monkeypatch):
+    """Rows are refilled from the queue and the cache repacked; in fp32 greedy output must equal plain
+    one-by-one decoding token for token, and the captured features those of a fixed batch."""
+    from collections import Counter
+
+    from draftsmith.data.generate import generate_batch
+    from draftsmith.data.stream import generate_stream
+    from draftsmith.eval.verifier import decode
+
+    words = "the time is one of the day and the night of water fish sea".split()
+    prompts = [tiny_target.tokenizer(" ".join(words[i % 7: i % 7 + 2 + (i * 5) % 9]))["input_ids"] for i in range(11)]
+    # a stop token that ends some replies early and others late, so rows finish at different steps
+    replies = [decode(tiny_target, p, 20).tokens for p in prompts]
+    firsts = Counter(t for r in replies for t in dict.fromkeys(r))
+    stop = max(firsts, key=lambda t: (0 < firsts[t] < len(prompts),
+                                      len({r.index(t) for r in replies if t in r})))
+    monkeypatch.setattr(tiny_target, "eos_token_ids", [stop])
+    layers = [1, tiny_target.num_layers]
+    streamed = generate_stream(tiny_target, prompts, 20, rows=3, capture_layers=layers)
+    fixed = generate_batch(tiny_target, prompts, 20, capture_layers=layers)
+    lengths = {len(s.token_ids) for s in streamed}
+    assert len(lengths) > 1, "every reply had the same length: no row was refilled mid-run"
+    for prompt, got, batch in zip(prompts, streamed, fixed):
+        assert got.token_ids == decode(tiny_target, prompt, 20).tokens
+        assert got.features.shape == batch.features.shape
+        assert torch.allclose(got.features.float(), batch.features.float(), atol=0.03, rtol=0.02)
+
+
+def test_continuous_batching_samples_do_not_depend_on_the_batch(tiny_target):
+    from draftsmith.data.stream import generate_stream
+
+    prompts = [tiny_target.tokenizer("the day and " + "night " * (i % 4))["input_ids"] for i in range(8)]
+
+    def run(rows):
+        generators = [torch.Generator().manual_seed(100 + i) for i in range(len(prompts))]
+        return [g.token_ids for g in generate_stream(tiny_target, prompts, 16, rows=rows, temperature=1.0,
+                                                      generators=generators)]
+    three, eight = run(3), run(8)
+    assert three == eight
+    assert len({tuple(t) for t in three}) > 1                   # and they are samples, not one reply

@@ -208,3 +208,28 @@ def test_eagle3_cached_and_online_features_give_the_same_loss(tiny_target):
     a = drafter.loss({**batch, "features": online})
     b = drafter.loss({**batch, "features": cached})
     assert torch.allclose(a.loss, b.loss, rtol=1e-2) and torch.equal(a.counted, b.counted)
+
+
+@pytest.mark.parametrize("settings", [TreeSettings(depth=3, top_k=1, total_tokens=3),
+                                      TreeSettings(depth=4, top_k=3, total_tokens=10)], ids=["chain", "tree"])
+def test_cached_draft_steps_propose_what_a_fresh_drafter_proposes(tiny_target, settings):
+    """The drafter keeps its own KV cache between steps (one new token fed per step); a fresh drafter fed
+    the whole history at once must propose the same tree, node for node."""
+    from draftsmith.heads.drafter import DraftContext
+    drafter = untrained(tiny_target, vocab=tiny_target.vocab_size)
+    drafter.set_proposal(tree=settings)
+    prompt = prompts(tiny_target, count=1, length=20)[0]
+    ids = torch.tensor([prompt])
+    cache = tiny_target.new_cache(1, 32)
+    hidden = tiny_target.forward_block(cache, ids, torch.arange(len(prompt))[None], layer_ids=drafter.required_layers,
+                                       logits="none").hidden_states
+
+    def context(start, end):
+        return DraftContext(ids[0, start:end], {i: h[0, start:end] for i, h in hidden.items()}, prompt[end], end)
+    drafter.reset()
+    cached = [drafter.propose(context(0, 12))]
+    cached += [drafter.propose(context(j, j + 1)) for j in range(12, 18)]
+    for step, tree in enumerate(cached):
+        drafter.reset()
+        fresh = drafter.propose(context(0, 12 + step))
+        assert torch.equal(tree.tokens, fresh.tokens) and torch.equal(tree.parents, fresh.parents), step

@@ -81,3 +81,24 @@ def test_layer_ids_follow_hidden_states_convention(tiny_target):
     assert torch.allclose(logits, out.logits, atol=1e-5)
     with pytest.raises(ValueError, match="out of range"):
         target.check_layer_ids([0, target.num_layers + 1])
+
+
+def test_float16_on_a_cpu_packs_weights_for_small_blocks_only(tiny_target_dir):
+    """dtype float16 on a CPU: blocks of at most 16 tokens use fp16 weights (close to fp32), larger
+    ones the fp32 weights (identical to an fp32 target); the identity is the fp32 target's."""
+    from draftsmith.heads.cpu_linear import PackedLinear, fbgemm_fp16_available
+    if not fbgemm_fp16_available():
+        pytest.skip("this PyTorch build has no FBGEMM fp16 GEMM (non-x86): float16 falls back to fp32 there")
+    fp32 = Target.load(str(tiny_target_dir), "float32", "cpu")
+    packed = Target.load(str(tiny_target_dir), "float16", "cpu")
+    assert packed.precision.startswith("float16") and packed.identity == fp32.identity
+    assert sum(isinstance(m, PackedLinear) for m in packed.model.modules()) == 7 * fp32.num_layers + 1
+    ids = torch.randint(3, fp32.vocab_size, (1, 24))
+
+    def logits(target, n):
+        cache = target.new_cache(1, 32)
+        return target.forward_block(cache, ids[:, :n], torch.arange(n)[None]).logits
+    assert torch.equal(logits(packed, 24), logits(fp32, 24))                  # large block: the fp32 weights
+    small, reference = logits(packed, 5), logits(fp32, 5)
+    assert not torch.equal(small, reference)                                  # small block: the fp16 weights ...
+    assert (small - reference).abs().max() <= 2e-2 * reference.abs().max()     # ... close to fp32

@@ -48,7 +48,7 @@ def load_training_data(recipe, target: Target, layers=()) -> TrainingData:
     feature cache for `layers` when train.features is 'cache' (missing or broken shards are built)."""
     import datasets
     from draftsmith.data import features as feature_cache
-    from draftsmith.data.distill import shard_paths
+    from draftsmith.data.distill import check_same_data, shard_paths
 
     data_dir = recipe.out / "data"
     use_cache = recipe.train.features == "cache" and bool(layers)
@@ -57,6 +57,7 @@ def load_training_data(recipe, target: Target, layers=()) -> TrainingData:
         make_recipe_data(recipe, target)
     manifest = json.loads((data_dir / "manifest.json").read_text())
     TargetIdentity.from_dict(manifest["target"]).require_same(target.identity, f"the data in {data_dir}")
+    check_same_data(data_dir, recipe.data, recipe.seed, target)     # trains on what the recipe describes
     source = None
     if use_cache:
         superset = feature_cache.existing_superset(data_dir, layers)

@@ -25,15 +25,16 @@ class TargetSettings:
     path: str = "smollm2-135m"
     """A local HF directory, a hub id in the local cache, a .gguf file, or 'smollm2-135m'."""
     dtype: str = "auto"
-    """Target weights for data generation and features: auto (bf16 where supported), bfloat16 or float32."""
+    """Target weights: auto (bf16 where native; float16 = packed fp16 weights on other x86 CPUs), bfloat16,
+    float16 or float32."""
     device: str = "auto"
     """Where the target, drafter and data live: auto (cuda when present, else cpu), cpu, cuda or cuda:N."""
     trust_remote_code: bool = False
     """Run the model repository's own code (only if you trust it)."""
 
     def __post_init__(self):
-        if self.dtype not in ("auto", "bfloat16", "float32"):
-            raise RecipeError(f"target.dtype must be auto, bfloat16 or float32, got '{self.dtype}'")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise RecipeError(f"target.dtype must be auto, bfloat16, float16 or float32, got '{self.dtype}'")
         from draftsmith.heads.device import DeviceError, resolve_device
         try:
             resolve_device(self.device)
@@ -121,6 +122,8 @@ class EvalSettings:
     """Speed runs in this dtype: auto (bf16 where supported), bfloat16, float32."""
     baselines: tuple[str, ...] = ("plain", "generate")
     """Timed side by side: plain (draftsmith's engine), generate (transformers), prompt-lookup (transformers)."""
+    max_minutes: float | None = None
+    """Fit the timed runs into this many minutes: prompts (then tokens) are cut from a measured forward cost."""
 
     def __post_init__(self):
         self.baselines = tuple(self.baselines)

@@ -1,0 +1,151 @@
+"""Regeneration of a shard's conversations, turn by turn, by the target.
+
+A `ShardWork` holds one planned shard: for each conversation the chat so far and its record (the
+last turn's prompt + reply as ids, with the features of that forward).  `next_job` gives a
+conversation's next prompt (or None when it is done); `take` files a finished reply.  Two engines
+drive it:
+- draftsmith's (`regenerate_shards`): every shard in flight shares one continuously refilled batch
+  (data/stream.py); a shard is written as soon as its last conversation finishes, and each
+  conversation turn samples with its own seeded generator, so a resumed run reproduces an
+  uninterrupted one;
+- vLLM (`regenerate_batch`): one shard at a time, each turn one vLLM call.
+"""
+from __future__ import annotations
+
+import torch
+from draftsmith.heads.target import Target
+
+from . import sources
+from .chat import tokenize_chat
+from .stream import Job, Stream
+
+
+def fit_prompt(target: Target, messages: list[dict], settings, counts: dict):
+    """The prompt's ids and mask (earlier replies marked), or None if it is too long and cannot be cut."""
+    chat = tokenize_chat(target.tokenizer, messages, add_generation_prompt=True)
+    if len(chat.input_ids) <= settings.max_prompt_tokens:
+        return chat
+    if settings.long_prompts == "skip":
+        counts["skipped_long_prompts"] += 1
+        return None
+    # truncate: cut the last user turn's text until the rendered prompt fits
+    overflow = len(chat.input_ids) - settings.max_prompt_tokens
+    content_ids = target.tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]
+    if overflow + 8 >= len(content_ids):
+        counts["skipped_long_prompts"] += 1
+        return None
+    messages[-1] = dict(messages[-1], content=target.tokenizer.decode(content_ids[: len(content_ids) - overflow - 8]))
+    counts["truncated_prompts"] += 1
+    chat = tokenize_chat(target.tokenizer, messages, add_generation_prompt=True)
+    return chat if len(chat.input_ids) <= settings.max_prompt_tokens else None
+
+
+class ShardWork:
+    """One planned shard's conversations while their turns are regenerated."""
+
+    def __init__(self, target: Target, index: int, batch: list[sources.Conversation], settings, seed: int,
+                 counts: dict):
+        self.target, self.index, self.batch, self.settings, self.counts = target, index, batch, settings, counts
+        self.seed = seed
+        self.chats = {c.id: [] for c in batch}
+        self.records: dict[str, dict] = {}
+        self.open = 0                     # jobs handed out and not yet taken back
+
+    def next_job(self, position: int, turn: int):
+        """(messages, prompt) for conversation `position`'s turn, or None if it has no such turn or it does not fit."""
+        conv = self.batch[position]
+        users = [i for i, m in enumerate(conv.messages) if m["role"] == "user"]
+        if turn >= min(len(users), self.settings.max_turns):
+            return None
+        head = conv.messages[: users[0]] if turn == 0 else []        # a system turn before the first question
+        messages = self.chats[conv.id] + head + [dict(conv.messages[users[turn]])]
+        prompt = fit_prompt(self.target, messages, self.settings, self.counts)
+        return None if prompt is None else (messages, prompt)
+
+    def generator(self, position: int, turn: int) -> torch.Generator | None:
+        if self.settings.temperature <= 0:
+            return None
+        seed = ((self.seed * 1_000_003 + self.index) * 4099 + position) * 131 + turn
+        return torch.Generator(device=self.target.device).manual_seed(seed % (2 ** 63))
+
+    def take(self, position: int, messages: list[dict], prompt, out) -> bool:
+        """File a finished reply; True if the conversation goes on to its next turn."""
+        conv = self.batch[position]
+        reply_ids = [t for t in out.token_ids if t not in self.target.eos_token_ids]
+        reply = self.target.tokenizer.decode(reply_ids, skip_special_tokens=True)
+        if not reply.strip():
+            return False
+        self.counts["generated_tokens"] += len(out.token_ids)
+        self.chats[conv.id] = messages + [{"role": "assistant", "content": reply}]
+        self.records[conv.id] = {"id": conv.id, "messages": self.chats[conv.id],
+                                 "input_ids": prompt.input_ids + out.token_ids,
+                                 "loss_mask": prompt.loss_mask + [1] * len(out.token_ids), "features": out.features}
+        return out.stopped            # a reply cut at max_new_tokens ends the conversation
+
+    def result(self) -> list[dict]:
+        return [self.records[c.id] for c in self.batch if c.id in self.records]
+
+
+def regenerate_batch(target: Target, work: ShardWork, on_tokens) -> list[dict]:
+    """vLLM: one shard, each turn one call for all its conversations."""
+    from . import vllm_backend
+
+    alive = list(range(len(work.batch)))
+    generator = torch.Generator().manual_seed(work.seed * 1_000_003 + work.index)
+    for turn in range(work.settings.max_turns):
+        jobs = [(p, job) for p in alive if (job := work.next_job(p, turn)) is not None]
+        if not jobs:
+            break
+        seed = int(torch.randint(0, 2 ** 31, (1,), generator=generator))
+        outs = vllm_backend.generate_batch(target, [prompt.input_ids for _, (_, prompt) in jobs],
+                                           work.settings.max_new_tokens, work.settings.temperature,
+                                           work.settings.top_p, seed, on_tokens)
+        alive = [p for (p, (messages, prompt)), out in zip(jobs, outs) if work.take(p, messages, prompt, out)]
+    return work.result()
+
+
+class Regenerator:
+    """Regenerates shards through one continuously refilled batch of settings.batch_size rows;
+    `write(index, records)` is called as each shard completes (not necessarily in index order)."""
+
+    def __init__(self, target: Target, settings, seed: int, counts: dict, on_tokens, capture_layers, write):
+        self.target, self.settings, self.seed, self.counts, self.write = target, settings, seed, counts, write
+        self.stream = Stream(target, settings.max_new_tokens, settings.batch_size, settings.temperature,
+                             settings.top_p, capture_layers, on_tokens)
+        self.inflight: dict[int, ShardWork] = {}
+
+    def admit(self, index: int, batch: list[sources.Conversation]) -> None:
+        """Start a shard's conversations, then decode until the queue runs short of a batch."""
+        work = ShardWork(self.target, index, batch, self.settings, self.seed, self.counts)
+        self.inflight[index] = work
+        for position in range(len(batch)):
+            self._hand_out(work, position, 0, first=False)
+        if work.open == 0:                       # nothing in it fits: an empty shard, still written
+            self._complete(work)
+        self._drain(until_short=True)
+
+    def finish(self) -> None:
+        """Decode everything admitted to the end."""
+        self._drain(until_short=False)
+
+    def _hand_out(self, work: ShardWork, position: int, turn: int, first: bool) -> None:
+        job = work.next_job(position, turn)
+        if job is not None:
+            messages, prompt = job
+            work.open += 1
+            self.stream.add(Job((work.index, position, turn, messages, prompt), prompt.input_ids,
+                                work.generator(position, turn)), first=first)
+
+    def _complete(self, work: ShardWork) -> None:
+        self.write(work.index, work.result())
+        del self.inflight[work.index]
+
+    def _drain(self, until_short: bool) -> None:
+        while self.stream.busy and (not until_short or len(self.stream.queue) >= self.stream.rows):
+            for (index, position, turn, messages, prompt), out in self.stream.run():
+                work = self.inflight[index]
+                work.open -= 1
+                if work.take(position, messages, prompt, out):
+                    self._hand_out(work, position, turn + 1, first=True)
+                if work.open == 0:
+                    self._complete(work)
