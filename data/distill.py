@@ -188,7 +188,10 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
     capture_layers = sorted(set(capture_layers))
     features_dir = feature_cache.cache_dir(out_dir, capture_layers)
     if capture_layers:
-        upper = sum(len(b) for b in batches) * (settings.max_prompt_tokens + settings.max_new_tokens)
+        regenerated = settings.max_prompt_tokens + settings.max_new_tokens
+        per_conversation = {"prefill": settings.max_seq_len, "regenerate": regenerated}.get(
+            settings.mode, max(settings.max_seq_len, regenerated))
+        upper = sum(len(b) for b in batches) * per_conversation
         log.info("feature cache %s: at most %.0f MB (layers %s, bf16)", features_dir,
                  feature_cache.estimate_bytes(upper, capture_layers, target.hidden_size) / 1e6, capture_layers)
     counts = {"generated_tokens": 0, "prefilled_tokens": 0, "skipped_long_prompts": 0, "truncated_prompts": 0}
@@ -232,9 +235,9 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
             break
         if not batch_regenerates(settings, index):
             records = [r for r in (_as_is(target, c, settings) for c in batch) if r is not None]
+            write(index, records)                         # the forward runs here, then the tokens count
             counts["prefilled_tokens"] += sum(len(r["input_ids"]) for r in records)
             on_tokens(sum(len(r["input_ids"]) for r in records))
-            write(index, records)
         elif engine is not None:
             engine.admit(index, batch)
         else:

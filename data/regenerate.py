@@ -106,7 +106,8 @@ def regenerate_batch(target: Target, work: ShardWork, on_tokens) -> list[dict]:
 
 class Regenerator:
     """Regenerates shards through one continuously refilled batch of settings.batch_size rows;
-    `write(index, records)` is called as each shard completes (not necessarily in index order)."""
+    `write(index, records)` is called as each shard completes (not necessarily in index order).
+    A new shard is admitted when the queue empties, so at most the live rows are in flight."""
 
     def __init__(self, target: Target, settings, seed: int, counts: dict, on_tokens, capture_layers, write):
         self.target, self.settings, self.seed, self.counts, self.write = target, settings, seed, counts, write
@@ -115,18 +116,19 @@ class Regenerator:
         self.inflight: dict[int, ShardWork] = {}
 
     def admit(self, index: int, batch: list[sources.Conversation]) -> None:
-        """Start a shard's conversations, then decode until the queue runs short of a batch."""
+        """Start a shard's conversations, then decode until the queue is empty (rows still busy): the next
+        shard refills the batch without a gap, and a time cap waits for the live rows only."""
         work = ShardWork(self.target, index, batch, self.settings, self.seed, self.counts)
         self.inflight[index] = work
         for position in range(len(batch)):
             self._hand_out(work, position, 0, first=False)
         if work.open == 0:                       # nothing in it fits: an empty shard, still written
             self._complete(work)
-        self._drain(until_short=True)
+        self._drain(until_queue_empty=True)
 
     def finish(self) -> None:
         """Decode everything admitted to the end."""
-        self._drain(until_short=False)
+        self._drain(until_queue_empty=False)
 
     def _hand_out(self, work: ShardWork, position: int, turn: int, first: bool) -> None:
         job = work.next_job(position, turn)
@@ -140,8 +142,8 @@ class Regenerator:
         self.write(work.index, work.result())
         del self.inflight[work.index]
 
-    def _drain(self, until_short: bool) -> None:
-        while self.stream.busy and (not until_short or len(self.stream.queue) >= self.stream.rows):
+    def _drain(self, until_queue_empty: bool) -> None:
+        while self.stream.busy and (not until_queue_empty or self.stream.queue):
             for (index, position, turn, messages, prompt), out in self.stream.run():
                 work = self.inflight[index]
                 work.open -= 1

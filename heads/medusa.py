@@ -112,6 +112,7 @@ class Medusa(nn.Module):
         target_to_draft[self.draft_to_target.cpu()] = torch.arange(self.draft_to_target.numel())
         self._target_to_draft = target_to_draft.to(self.draft_to_target.device)
         self._shared_weight = None
+        self._packed_head = None
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -132,10 +133,27 @@ class Medusa(nn.Module):
             self._shared_weight = weight if full else weight[self.draft_to_target]
         return self._shared_weight
 
+    def _decoding_head(self):
+        """Beside a CPU target with packed fp16 weights, the shared projection packed the same way, for
+        decoding (k heads x 1 position is a small block: heads/cpu_linear.py); else None."""
+        from .cpu_linear import PackedLinear
+        if (self.config.lm_head != "shared" or torch.is_grad_enabled()
+                or not isinstance(self.target.lm_head, PackedLinear)):
+            return None
+        if self._packed_head is None:
+            weight = self._projection(0)
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            linear.weight = nn.Parameter(weight, requires_grad=False)
+            self._packed_head = PackedLinear(linear)
+        return self._packed_head
+
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [m, d] final target hidden states -> [k, m, v] draft-vocabulary logits."""
         hidden = hidden.to(self.blocks[0][0].linear.weight.dtype)
         states = torch.stack([block(hidden) for block in self.blocks])                  # [k, m, d]
+        packed = self._decoding_head()
+        if packed is not None:
+            return packed(states)                                                        # [k, m, v]
         if self.config.lm_head == "shared":
             weight = self._projection(0)
             return torch.matmul(states.to(weight.dtype), weight.t())                     # one weight read for all heads
