@@ -222,7 +222,8 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
         bar.update(len(batches[index]))
 
     # draftsmith's engine keeps one batch full across shards; vLLM batches on its own (no features)
-    engine = (Regenerator(target, settings, seed, counts, on_tokens, capture_layers, write)
+    deadline = start + settings.max_minutes * 60 if settings.max_minutes is not None else None
+    engine = (Regenerator(target, settings, seed, counts, on_tokens, capture_layers, write, deadline)
               if settings.backend == "transformers" and settings.mode != "prefill" else None)
     for index, batch in enumerate(batches):
         shard = out_dir / "shards" / f"shard-{index:05d}.jsonl"
@@ -230,8 +231,6 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
             bar.update(len(batch))
             continue
         if settings.max_minutes is not None and time.time() - start > settings.max_minutes * 60:
-            log.warning("data.max_minutes=%s reached after %d planned batches: finishing those in flight; "
-                        "rerun to continue", settings.max_minutes, index)
             break
         if not batch_regenerates(settings, index):
             records = [r for r in (_as_is(target, c, settings) for c in batch) if r is not None]
@@ -240,10 +239,17 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
             on_tokens(sum(len(r["input_ids"]) for r in records))
         elif engine is not None:
             engine.admit(index, batch)
+            if engine.out_of_time:
+                break
         else:
             write(index, regenerate_batch(target, ShardWork(target, index, batch, settings, seed, counts), on_tokens))
     if engine is not None:
         engine.finish()
+        if engine.inflight:
+            log.info("data.max_minutes: %d shards in flight at the cap were not written (a rerun makes them)",
+                      len(engine.inflight))
+    if deadline is not None and time.time() > deadline:
+        log.warning("data.max_minutes=%s reached: kept the finished shards; rerun to continue", settings.max_minutes)
     bar.close()
     seconds = time.time() - start
     return finish(out_dir, settings, stats, counts, seconds)

@@ -13,6 +13,8 @@ drive it:
 from __future__ import annotations
 
 import torch
+import time
+
 from draftsmith.heads.target import Target
 
 from . import sources
@@ -107,10 +109,15 @@ def regenerate_batch(target: Target, work: ShardWork, on_tokens) -> list[dict]:
 class Regenerator:
     """Regenerates shards through one continuously refilled batch of settings.batch_size rows;
     `write(index, records)` is called as each shard completes (not necessarily in index order).
-    A new shard is admitted when the queue empties, so at most the live rows are in flight."""
+    A new shard is admitted when the queue empties, so at most the live rows are in flight.  Past
+    `deadline` (time.time()), once a shard has been written, the shards still in flight are left
+    unwritten: a rerun makes them again, whole, so the cap costs their partial work and nothing else."""
 
-    def __init__(self, target: Target, settings, seed: int, counts: dict, on_tokens, capture_layers, write):
+    def __init__(self, target: Target, settings, seed: int, counts: dict, on_tokens, capture_layers, write,
+                 deadline: float | None = None):
         self.target, self.settings, self.seed, self.counts, self.write = target, settings, seed, counts, write
+        self.deadline = deadline
+        self.written = 0
         self.stream = Stream(target, settings.max_new_tokens, settings.batch_size, settings.temperature,
                              settings.top_p, capture_layers, on_tokens)
         self.inflight: dict[int, ShardWork] = {}
@@ -141,9 +148,14 @@ class Regenerator:
     def _complete(self, work: ShardWork) -> None:
         self.write(work.index, work.result())
         del self.inflight[work.index]
+        self.written += 1
+
+    @property
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.time() > self.deadline and self.written > 0
 
     def _drain(self, until_queue_empty: bool) -> None:
-        while self.stream.busy and (not until_queue_empty or self.stream.queue):
+        while self.stream.busy and (not until_queue_empty or self.stream.queue) and not self.out_of_time:
             for (index, position, turn, messages, prompt), out in self.stream.run():
                 work = self.inflight[index]
                 work.open -= 1

@@ -112,7 +112,7 @@ class Medusa(nn.Module):
         target_to_draft[self.draft_to_target.cpu()] = torch.arange(self.draft_to_target.numel())
         self._target_to_draft = target_to_draft.to(self.draft_to_target.device)
         self._shared_weight = None
-        self._packed_head = None
+        self.__dict__["_packed_head"] = None     # a cache, outside the module tree: never in the state dict
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -140,12 +140,12 @@ class Medusa(nn.Module):
         if (self.config.lm_head != "shared" or torch.is_grad_enabled()
                 or not isinstance(self.target.lm_head, PackedLinear)):
             return None
-        if self._packed_head is None:
+        if self.__dict__.get("_packed_head") is None:
             weight = self._projection(0)
             linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
             linear.weight = nn.Parameter(weight, requires_grad=False)
-            self._packed_head = PackedLinear(linear)
-        return self._packed_head
+            self.__dict__["_packed_head"] = PackedLinear(linear)
+        return self.__dict__["_packed_head"]
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [m, d] final target hidden states -> [k, m, v] draft-vocabulary logits."""

@@ -337,3 +337,23 @@ def test_continuous_batching_samples_do_not_depend_on_the_batch(tiny_target):
     three, eight = run(3), run(8)
     assert three == eight
     assert len({tuple(t) for t in three}) > 1                   # and they are samples, not one reply
+
+
+def test_past_the_time_cap_shards_in_flight_are_left_unwritten_after_the_first(tiny_target):
+    import time as clock
+
+    from draftsmith.data.regenerate import Regenerator
+    from draftsmith.data.sources import Conversation
+
+    settings = DataSettings(batch_size=3, max_new_tokens=8)
+    convs = [Conversation(f"c{i}", [{"role": "user", "content": "the day and the night " * (1 + i % 3)}])
+             for i in range(9)]
+    written = []
+    counts = {"generated_tokens": 0, "skipped_long_prompts": 0, "truncated_prompts": 0}
+    engine = Regenerator(tiny_target, settings, 0, counts, None, (), lambda i, r: written.append((i, len(r))),
+                         deadline=clock.time() - 1)                   # already past
+    engine.admit(0, convs[:3])                 # nothing written yet: the first shard still completes
+    assert written == [(0, 3)] and engine.out_of_time
+    engine.admit(1, convs[3:6])
+    engine.finish()
+    assert written == [(0, 3)] and list(engine.inflight) == [1]      # left for a rerun, not half-written

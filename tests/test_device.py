@@ -35,7 +35,7 @@ def _recipe_file(tmp_path, target_dir, device: str):
     prompts = chats_file(tmp_path / "chats.jsonl", 24)
     recipe = {
         "method": "medusa", "output_dir": str(tmp_path / "run"), "seed": 0,
-        "target": {"path": str(target_dir), "dtype": "float32", "device": device},
+        "target": {"path": str(target_dir), "dtype": "auto", "device": device},   # the machine default
         "data": {"source": str(prompts), "max_conversations": None, "batch_size": 8, "max_new_tokens": 12},
         "drafter": {"num_heads": 2, "lm_head": "shared", "draft_vocab_size": 64},
         "train": {"epochs": 1, "batch_size": 4, "warmup_steps": 1, "mixed_precision": "no", "eval_prompts": 0,

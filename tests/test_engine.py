@@ -102,3 +102,20 @@ def test_float16_on_a_cpu_packs_weights_for_small_blocks_only(tiny_target_dir):
     small, reference = logits(packed, 5), logits(fp32, 5)
     assert not torch.equal(small, reference)                                  # small block: the fp16 weights ...
     assert (small - reference).abs().max() <= 2e-2 * reference.abs().max()     # ... close to fp32
+
+
+def test_a_medusa_drafter_decoding_beside_a_packed_target_saves_only_its_weights(tiny_target_dir, tmp_path):
+    from draftsmith.heads.cpu_linear import fbgemm_fp16_available
+    from draftsmith.heads.drafter import load_drafter, save_drafter
+    from draftsmith.heads.medusa import Medusa, MedusaConfig
+    if not fbgemm_fp16_available():
+        pytest.skip("no FBGEMM fp16 GEMM in this PyTorch build")
+    packed = Target.load(str(tiny_target_dir), "float16", "cpu")
+    drafter = Medusa(MedusaConfig(num_heads=2, lm_head="shared"), packed)
+    with torch.no_grad():
+        fast = drafter.head_logits(torch.randn(1, packed.hidden_size))              # the packed head is built
+    assert drafter.__dict__.get("_packed_head") is not None
+    reference = drafter.head_logits(torch.randn(1, packed.hidden_size))             # grad on: the fp32 path
+    assert fast.shape == reference.shape
+    save_drafter(drafter, tmp_path / "ckpt")
+    assert set(load_drafter(tmp_path / "ckpt", packed).state_dict()) == set(drafter.state_dict())
