@@ -1,7 +1,7 @@
 """The hidden-state cache for offline training.
 
 Per data shard, one safetensors file holds the target's hidden states at
-the layers a drafter needs (DESIGN.md ids; the final layer N always, since
+the layers a drafter needs (docs/design.md ids; the final layer N always, since
 the target's distribution is recomputed from it rather than stored), in
 bf16, for every token of every record: `features` [tokens, layers, d] and
 `offsets` [records + 1].  A file is written to a temporary name and renamed,

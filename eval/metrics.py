@@ -1,4 +1,4 @@
-"""The one definition of each metric (DESIGN.md), used by training logs, evaluation and reports.
+"""The one definition of each metric (docs/metrics.md), used by training logs, evaluation and reports.
 
 - tau (acceptance length): tokens emitted per target forward while decoding
   = accepted draft tokens + 1, the mean over all verification steps of a run.

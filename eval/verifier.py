@@ -1,4 +1,4 @@
-"""The speculative loop (DESIGN.md "Verifier"), the same for every drafter.
+"""The speculative loop (docs/design.md "Verifier"), the same for every drafter.
 
 State between steps: the target's KV cache holds every committed token but
 the newest, the root.  One step:

@@ -2,13 +2,13 @@
 
 A drafter is an nn.Module with
 - `kind` (str) and `config` (its dataclass),
-- `required_layers` (target layer ids it reads, DESIGN.md convention),
+- `required_layers` (target layer ids it reads, docs/design.md convention),
 - `loss(batch) -> StepOutput` for training,
 - `reset()` and `propose(context) -> DraftTree` for decoding.
 Only the drafter's own weights are its state; the target's modules it uses
 (embedding, lm_head) are held outside the module tree and never saved.
 
-Checkpoint directory (DESIGN.md): config.json (kind, hyperparameters, target
+Checkpoint directory (docs/design.md): config.json (kind, hyperparameters, target
 identity, layer ids, draftsmith version), model.safetensors (trainable
 weights only), recipe.yaml, and state/ while training.
 """

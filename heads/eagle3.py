@@ -1,6 +1,6 @@
 """EAGLE-3 (arXiv 2503.01840): fused target features, training-time test, a draft vocabulary.
 
-Input at position t: fc(cat(g2_t, gm_t, gh_t)), three target layers (DESIGN.md
+Input at position t: fc(cat(g2_t, gm_t, gh_t)), three target layers (docs/design.md
 ids; default 2, N//2, N-3), 3T -> H without bias, and the embedding of token
 t+1 (the target's, frozen).  One draft layer (heads/eagle_layer.py), then the
 drafter's own final `norm` and `lm_head` over the draft vocabulary.  It

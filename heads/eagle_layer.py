@@ -11,7 +11,7 @@ Two ways to attend:
   drafts sees the real context and its own ancestors only;
 - `ttt`: training-time test.  At unrolled step s, position i attends to the
   step-0 keys causally (j <= i) and, from every later step t = 1..s, only to
-  its own position i (REFERENCE.md, EAGLE-3 section 3.2).  `ttt_mask` spells
+  its own position i (EAGLE-3, arXiv 2503.01840, section 3.2).  `ttt_mask` spells
   that pattern out; `ttt` computes it without materialising it.
 
 Shape notation: b batch, s sequence, n new tokens, d head dim, h heads.

@@ -10,7 +10,7 @@
 
 Layer ids: draftsmith's are `hidden_states[i]`, the INPUT of decoder layer i.
 vLLM reads the same convention; SGLang and TensorRT-LLM read "output of layer
-i" (= our i+1), so their exports write i-1 (REFERENCE.md section 3).  Every
+i" (= our i+1), so their exports write i-1 (vLLM, SGLang and TensorRT-LLM loaders).  Every
 export checks the tensor names and shapes against the format before writing,
 writes the ids explicitly, and leaves a README.md with the serving command.
 """

@@ -1,7 +1,7 @@
 """One writer per (drafter, format): tensors renamed and configs written as each stack reads them.
 
 Each writer returns ({filename: {tensor name: tensor}}, {filename: text or JSON}).
-Facts behind the names come from the serving stacks (REFERENCE.md section 3):
+Facts behind the names come from the serving stacks (vLLM, SGLang and TensorRT-LLM loaders):
 vLLM's Medusa (`blocks.{h}.layers.{l}`, `lm_heads.{h}`, `token_map` with
 `truncated_vocab_size`, `original_lm_head` for one shared head), vLLM/SGLang
 `LlamaForCausalLMEagle3` (fc, midlayer.*, norm, lm_head, d2t, t2d), the

@@ -1,6 +1,6 @@
 """The frozen target model: loading, identity, features and the engine's block forward.
 
-Layer ids follow DESIGN.md: `i` is Hugging Face `hidden_states[i]`, the INPUT
+Layer ids follow docs/design.md: `i` is Hugging Face `hidden_states[i]`, the INPUT
 of decoder layer i (0 = embeddings); `N` (the layer count) is the output
 after the final norm.  transformers 5.x records the last layer's output
 before the norm as `hidden_states[N]`, so layer N is always taken from
