@@ -170,6 +170,24 @@ def plan_batches(convs: list[sources.Conversation], batch_size: int, seed: int) 
     return batches
 
 
+def write_shard(target: Target, out_dir: Path, index: int, records: list[dict], capture_layers,
+                features_dir: Path) -> None:
+    """Features first, then the shard (its existence marks the shard done), each atomically."""
+    if capture_layers and any(r.get("features") is None for r in records):
+        # prefill (and vLLM) shards: one forward of the target over every token
+        computed = feature_cache.compute_features(target, records, capture_layers)
+        for record, feats in zip(records, computed):
+            record["features"] = feats
+    if capture_layers:
+        feature_cache.write_shard(features_dir / f"shard-{index:05d}.safetensors",
+                                  [r.pop("features") for r in records], capture_layers,
+                                  target.identity.weights_sha256)
+    for r in records:
+        r.pop("features", None)
+    write_atomic(out_dir / "shards" / f"shard-{index:05d}.jsonl",
+                 "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
 def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, progress: bool = True,
               capture_layers=()) -> DataReport:
     """Build (or resume) the shards in out_dir, their feature cache (capture_layers) and `tokenized/`."""
@@ -205,20 +223,7 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
         bar.set_postfix_str(f"{new_tokens[0] / max(time.time() - start, 1e-6):.0f} tok/s", refresh=False)
 
     def write(index: int, records: list[dict]) -> None:
-        """Features first, then the shard (its existence marks the shard done), each atomically."""
-        if capture_layers and any(r.get("features") is None for r in records):
-            # prefill (and vLLM) shards: one forward of the target over every token
-            computed = feature_cache.compute_features(target, records, capture_layers)
-            for record, feats in zip(records, computed):
-                record["features"] = feats
-        if capture_layers:
-            feature_cache.write_shard(features_dir / f"shard-{index:05d}.safetensors",
-                                      [r.pop("features") for r in records], capture_layers,
-                                      target.identity.weights_sha256)
-        for r in records:
-            r.pop("features", None)
-        write_atomic(out_dir / "shards" / f"shard-{index:05d}.jsonl",
-                     "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        write_shard(target, out_dir, index, records, capture_layers, features_dir)
         bar.update(len(batches[index]))
 
     # draftsmith's engine keeps one batch full across shards; vLLM batches on its own (no features)
