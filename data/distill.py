@@ -24,13 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
+from draftsmith.heads.files import require_free_space, swap_directory, write_atomic
 from draftsmith.heads.target import Target
 
 from . import features as feature_cache
@@ -95,6 +94,11 @@ class DataSettings:
             raise ValueError(f"data.top_p must be in (0, 1], got {self.top_p}")
         if self.temperature < 0:
             raise ValueError(f"data.temperature must be >= 0, got {self.temperature}")
+        if self.max_conversations is not None and self.max_conversations < 1:
+            raise ValueError(f"data.max_conversations must be >= 1, or null for the whole source; "
+                             f"got {self.max_conversations}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"data.max_minutes must be > 0, or null for no cap; got {self.max_minutes}")
 
 
 @dataclass
@@ -133,18 +137,20 @@ def fingerprint(settings: DataSettings, seed: int, target_identity: dict) -> str
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
 def read_shard(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of one finished shard; a damaged file is an error that names it and the fix."""
+    records = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    records.append(json.loads(line))
+                    if not {"input_ids", "loss_mask"} <= set(records[-1]):
+                        raise ValueError("a record without input_ids or loss_mask")
+    except (ValueError, UnicodeDecodeError) as err:
+        raise sources.DataError(f"damaged data shard {path} (line {number}: {err}): delete it and run the same "
+                                "command again; that shard is made again and the others are kept") from None
+    return records
 
 
 def batch_regenerates(settings: DataSettings, index: int) -> bool:
@@ -205,13 +211,7 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
         batches = batches[: -(-settings.max_conversations // settings.batch_size)]
     capture_layers = sorted(set(capture_layers))
     features_dir = feature_cache.cache_dir(out_dir, capture_layers)
-    if capture_layers:
-        regenerated = settings.max_prompt_tokens + settings.max_new_tokens
-        per_conversation = {"prefill": settings.max_seq_len, "regenerate": regenerated}.get(
-            settings.mode, max(settings.max_seq_len, regenerated))
-        upper = sum(len(b) for b in batches) * per_conversation
-        log.info("feature cache %s: at most %.0f MB (layers %s, bf16)", features_dir,
-                 feature_cache.estimate_bytes(upper, capture_layers, target.hidden_size) / 1e6, capture_layers)
+    _check_space(target, settings, out_dir, batches, capture_layers, features_dir)
     counts = {"generated_tokens": 0, "prefilled_tokens": 0, "skipped_long_prompts": 0, "truncated_prompts": 0}
     start = time.time()
     bar = tqdm(total=sum(len(b) for b in batches), desc=f"data ({settings.mode})",
@@ -258,6 +258,24 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
     bar.close()
     seconds = time.time() - start
     return finish(out_dir, settings, stats, counts, seconds)
+
+
+def _check_space(target: Target, settings: DataSettings, out_dir: Path, batches, capture_layers, features_dir):
+    """Refuse to start when the disk cannot hold what the unfinished shards may need (an upper bound)."""
+    regenerated = settings.max_prompt_tokens + settings.max_new_tokens
+    per_conversation = {"prefill": settings.max_seq_len, "regenerate": regenerated}.get(
+        settings.mode, max(settings.max_seq_len, regenerated))
+    todo = sum(len(b) for i, b in enumerate(batches) if not (out_dir / "shards" / f"shard-{i:05d}.jsonl").exists())
+    upper = todo * per_conversation
+    needed = upper * JSONL_BYTES_PER_TOKEN
+    if capture_layers:
+        cache = feature_cache.estimate_bytes(upper, capture_layers, target.hidden_size)
+        log.info("feature cache %s: at most %.0f MB (layers %s, bf16)", features_dir, cache / 1e6, capture_layers)
+        needed += cache
+    require_free_space(out_dir, needed, f"the data for {todo} conversations")
+
+
+JSONL_BYTES_PER_TOKEN = 40     # a token id, its loss mask and the chat text in a shard line, generously
 
 
 def _as_is(target: Target, conv: sources.Conversation, settings: DataSettings) -> dict | None:
@@ -319,7 +337,7 @@ def finish(out_dir: Path, settings: DataSettings, stats, counts: dict, seconds: 
     table = datasets.Dataset.from_dict(rows)
     tmp = out_dir / "tokenized.tmp"
     table.save_to_disk(str(tmp))
-    _replace_dir(tmp, out_dir / "tokenized")
+    swap_directory(tmp, out_dir / "tokenized")
     return DataReport(
         conversations=len(rows["id"]), generated_tokens=counts["generated_tokens"],
         prefilled_tokens=counts["prefilled_tokens"], seconds=seconds,
@@ -328,9 +346,3 @@ def finish(out_dir: Path, settings: DataSettings, stats, counts: dict, seconds: 
         assistant_tokens=sum(sum(m) for m in rows["loss_mask"]))
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    import shutil
-
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)

@@ -19,12 +19,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from draftsmith.heads.files import save_tensors_atomic
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +68,7 @@ def write_shard(path: Path, per_record: list[torch.Tensor], layers, target_hash:
     offsets = torch.tensor([0] + [f.shape[0] for f in per_record]).cumsum(0)
     metadata = {"layers": json.dumps(sorted(set(layers))), "target": target_hash, "sha256": _checksum(features)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file({"features": features.contiguous(), "offsets": offsets}, str(tmp), metadata=metadata)
-    tmp.replace(path)
+    save_tensors_atomic({"features": features.contiguous(), "offsets": offsets}, path, metadata=metadata)
 
 
 class ShardReader:

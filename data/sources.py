@@ -48,12 +48,14 @@ class SourceStats:
     skipped_empty_conversations: int = 0
     skipped_empty_turns: int = 0
     skipped_unknown_roles: int = 0
+    renamed_duplicate_ids: int = 0
     truncated_tail: bool = False
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         return (f"{self.conversations} conversations; skipped {self.skipped_empty_conversations} empty conversations, "
                 f"{self.skipped_empty_turns} empty turns, {self.skipped_unknown_roles} turns with unknown roles"
+                + (f"; renamed {self.renamed_duplicate_ids} repeated ids" if self.renamed_duplicate_ids else "")
                 + ("; the file was cut off (kept what was whole)" if self.truncated_tail else ""))
 
 
@@ -83,6 +85,49 @@ def normalize(raw_turns: list[dict], conv_id: str, stats: SourceStats, category:
         return None
     stats.conversations += 1
     return Conversation(id=str(conv_id), messages=messages, category=category)
+
+
+def record_turns(record, where: str) -> tuple[list, object, str]:
+    """(turns, id or None, category) of one record: {"messages": [...]} (OpenAI roles), {"conversations":
+    [...]} (ShareGPT), {"prompt": "..."} or a bare string.  Any other record is an error naming `where`."""
+    if isinstance(record, str):
+        record = {"prompt": record}
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a chat object ({{\"messages\": [...]}}, {{\"conversations\": [...]}} or "
+                        f"{{\"prompt\": \"...\"}}), got a JSON {_json_kind(record)}")
+    if "prompt" in record and "messages" not in record and "conversations" not in record:
+        if not isinstance(record["prompt"], str):
+            raise DataError(f"{where}: 'prompt' must be a string, got a JSON {_json_kind(record['prompt'])}")
+        turns = [{"role": "user", "content": record["prompt"]}]
+    else:
+        turns = record.get("messages", record.get("conversations"))
+        if not isinstance(turns, list):
+            raise DataError(f"{where}: expected a 'messages', 'conversations' or 'prompt' field"
+                            + (f" (has {sorted(record)[:8]})" if record else " (the object is empty)"))
+        if any(not isinstance(t, dict) for t in turns):
+            raise DataError(f"{where}: every turn must be an object with a role and content")
+    return turns, record.get("id"), str(record.get("category", "") or "")
+
+
+def _json_kind(value) -> str:
+    return {list: "array", int: "number", float: "number", bool: "boolean", str: "string",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def unique_ids(convs: Iterator[Conversation], stats: SourceStats) -> Iterator[Conversation]:
+    """Conversation ids made unique: a repeated id gets '#2', '#3', ... (counted, and warned about once)."""
+    seen: dict[str, int] = {}
+    for conv in convs:
+        if conv.id in seen:
+            seen[conv.id] += 1
+            if not stats.renamed_duplicate_ids:
+                log.warning("conversation id '%s' appears more than once: later copies are renamed '%s#2', ... "
+                            "(the count is in the data report)", conv.id, conv.id)
+            stats.renamed_duplicate_ids += 1
+            conv.id = f"{conv.id}#{seen[conv.id]}"
+        else:
+            seen[conv.id] = 1
+        yield conv
 
 
 def iter_json_array(path: Path, chunk_size: int = 1 << 20) -> Iterator[object]:
@@ -135,7 +180,8 @@ def sharegpt(limit: int | None = None, path: str | Path | None = None, stats: So
                 log.warning("%s is cut off at its end: kept the %d complete records before it "
                             "(%d usable conversations)", path.name, count, stats.conversations)
             return
-        conv = normalize(record.get("conversations", []), record.get("id", count), stats)
+        turns, conv_id, category = record_turns(record, f"{path}: record {count}")
+        conv = normalize(turns, conv_id if conv_id is not None else count, stats, category)
         count += 1
         if conv is not None:
             yield conv
@@ -170,15 +216,8 @@ def jsonl(path: str | Path, limit: int | None = None, stats: SourceStats | None 
                             path, number, err.msg, stats.conversations)
                 return
             raise DataError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno})") from None
-        if isinstance(record, str):
-            record = {"prompt": record}
-        if "prompt" in record and "messages" not in record and "conversations" not in record:
-            turns = [{"role": "user", "content": record["prompt"]}]
-        else:
-            turns = record.get("messages", record.get("conversations"))
-            if not isinstance(turns, list):
-                raise DataError(f"{path}:{number}: expected a 'messages', 'conversations' or 'prompt' field")
-        conv = normalize(turns, record.get("id", f"{path.stem}-{number}"), stats, record.get("category", ""))
+        turns, conv_id, category = record_turns(record, f"{path}:{number}")
+        conv = normalize(turns, conv_id if conv_id is not None else f"{path.stem}-{number}", stats, category)
         if conv is not None:
             yield conv
             if limit is not None and stats.conversations >= limit:
@@ -235,16 +274,17 @@ PROMPT_SETS = {"mt-bench": mt_bench, "humaneval": humaneval}
 
 def conversations(source: str, limit: int | None = None, stats: SourceStats | None = None) -> Iterator[Conversation]:
     """Resolve a source name or path: sharegpt, mt-bench, humaneval, FILE.jsonl[.gz], FILE.json, or a dataset dir."""
+    stats = stats if stats is not None else SourceStats()
     if source == "sharegpt":
-        return sharegpt(limit, stats=stats)
+        return unique_ids(sharegpt(limit, stats=stats), stats)
     if source in PROMPT_SETS:
         return PROMPT_SETS[source](limit, stats=stats)
     path = Path(source)
     if path.is_dir():
-        return from_disk(path, limit, stats=stats)
+        return unique_ids(from_disk(path, limit, stats=stats), stats)
     if path.suffix == ".json":
-        return sharegpt(limit, path=path, stats=stats)
+        return unique_ids(sharegpt(limit, path=path, stats=stats), stats)
     if path.suffix in (".jsonl", ".gz"):
-        return jsonl(path, limit, stats=stats)
+        return unique_ids(jsonl(path, limit, stats=stats), stats)
     raise DataError(f"unknown data source '{source}': use sharegpt, mt-bench, humaneval, a .jsonl/.json file "
                     "or a directory written by datasets' save_to_disk")

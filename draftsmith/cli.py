@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -40,14 +41,17 @@ def resolve_recipe(name: str) -> Path:
 
 def cmd_data(args) -> dict:
     from draftsmith.heads.device import resolve_device
+    from draftsmith.heads.files import DirectoryLock, require_writable
     from draftsmith.heads.target import Target
     from draftsmith.train.batches import make_recipe_data
     from draftsmith.train.settings import load_recipe
 
     recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
-    target = Target.load(recipe.target.path, recipe.target.dtype, resolve_device(recipe.target.device),
-                         trust_remote_code=recipe.target.trust_remote_code)
-    report = make_recipe_data(recipe, target)
+    require_writable(recipe.out, "output_dir")
+    with DirectoryLock(recipe.out, "data run"):
+        target = Target.load(recipe.target.path, recipe.target.dtype, resolve_device(recipe.target.device),
+                             trust_remote_code=recipe.target.trust_remote_code)
+        report = make_recipe_data(recipe, target)
     print(f"data: {report.conversations} conversations, {report.training_tokens} tokens "
           f"({report.assistant_tokens} reply tokens) in {recipe.out / 'data'}; generated {report.generated_tokens} "
           f"and prefilled {report.prefilled_tokens} tokens in {report.seconds:.0f}s ({report.tokens_per_second:.0f} tok/s); "
@@ -69,24 +73,40 @@ def cmd_train(args) -> dict:
             "heldout_agreement": report.heldout_agreement, "heldout_simulated_tau": report.heldout_simulated_tau}
 
 
-def _eval_options(args):
-    from draftsmith.eval.benchmark import EvalOptions
-    from draftsmith.heads.device import resolve_device
+EVAL_FLAGS = {"prompts": "prompts", "limit": "limit", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
+              "top_p": "top_p", "rule": "rule", "dtype": "dtype", "baselines": "baselines",
+              "exact_prompts": "exact_prompts", "seed": "seed", "cost_per_hour": "cost_per_hour", "target": "target",
+              "device": "device", "max_minutes": "max_minutes"}
 
-    proposal = "chain" if args.chain is not None else "tree" if args.tree is not None else "default"
-    return EvalOptions(
-        prompts=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens, proposal=proposal,
-        chain_length=args.chain or None, tree_size=args.tree or None, temperature=args.temperature,
-        top_p=args.top_p, rule=args.rule, dtype=args.dtype, baselines=tuple(args.baselines.split(",")),
-        exact_prompts=args.exact_prompts, seed=args.seed, cost_per_hour=args.cost_per_hour, target_path=args.target,
-        device=str(resolve_device(args.device)), max_minutes=args.max_minutes)    # the device: checked first
+
+def eval_settings(args):
+    """Flags and key=value overrides (`limit=5` or `eval.limit=5`) into one EvalSettings, checked as a recipe's
+    eval section is: types coerced, ranges and names validated, before anything loads."""
+    from draftsmith.eval.settings import EvalSettings
+    from draftsmith.heads.config import config_from_dict
+    from draftsmith.train.settings import apply_overrides
+
+    values = {key: getattr(args, flag) for flag, key in EVAL_FLAGS.items() if hasattr(args, flag)}
+    for flag, length in (("chain", "chain_length"), ("tree", "tree_size")):
+        if hasattr(args, flag):
+            values["proposal"] = flag
+            if getattr(args, flag) != "default":
+                values[length] = getattr(args, flag)
+    overrides = [o.removeprefix("eval.") for o in args.overrides]
+    return config_from_dict(EvalSettings, apply_overrides(values, overrides), "eval settings")
 
 
 def cmd_eval(args) -> dict:
     from draftsmith.eval.benchmark import evaluate
     from draftsmith.eval.report import markdown, write_json
+    from draftsmith.heads.drafter import read_config
+    from draftsmith.heads.files import require_writable
 
-    report = evaluate(args.checkpoint, _eval_options(args))
+    settings = eval_settings(args)
+    read_config(args.checkpoint)              # a damaged or missing checkpoint is named before anything loads
+    if args.json:
+        require_writable(Path(args.json).expanduser().resolve().parent, "the --json report's directory")
+    report = evaluate(args.checkpoint, settings)
     print(markdown(report))
     if args.json:
         write_json(report, args.json)
@@ -96,19 +116,30 @@ def cmd_eval(args) -> dict:
 
 def cmd_quickstart(args) -> dict:
     """Data, training and evaluation on the embedded default target, each within its budget."""
-    import resource
-
-    from draftsmith.eval.benchmark import EvalOptions, evaluate
-    from draftsmith.eval.report import markdown, write_json
-    from draftsmith.heads.device import resolve_device
-    from draftsmith.heads.target import Target
-    from draftsmith.train.batches import make_recipe_data
-    from draftsmith.train.loop import fit
+    from draftsmith.heads.files import DirectoryLock, require_writable
     from draftsmith.train.settings import load_recipe
 
     start = time.time()
     recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
+    require_writable(recipe.out, "output_dir")
+    with DirectoryLock(recipe.out, "quickstart"):
+        return _quickstart(recipe, start)
+
+
+def _quickstart(recipe, start: float) -> dict:
+    import resource
+
+    from draftsmith.eval.benchmark import evaluate
+    from draftsmith.eval.report import markdown, write_json
+    from draftsmith.heads.device import resolve_device
+    from draftsmith.heads.target import Target
+    from draftsmith.train.batches import make_recipe_data
+    from draftsmith.train.checkpointing import set_aside
+    from draftsmith.train.loop import fit
+
     print(f"== draftsmith quickstart: {recipe.method} drafter for {recipe.target.path}, writing {recipe.out}", flush=True)
+    if not recipe.resume and (aside := set_aside(recipe.out / "checkpoint")):
+        print(f"   the earlier quickstart's checkpoint is kept, moved to {aside}", flush=True)
     device = resolve_device(recipe.target.device)
     target = Target.load(recipe.target.path, recipe.target.dtype, device, trust_remote_code=recipe.target.trust_remote_code)
     print(f"== 1/3 data ({recipe.data.mode}): the target labels its training data (at most "
@@ -121,12 +152,7 @@ def cmd_quickstart(args) -> dict:
     print(f"   {trained.steps} steps at {trained.tokens_per_second:.0f} tok/s; held-out agreement "
           + " ".join(f"{a:.2f}" for a in trained.heldout_agreement), flush=True)
     print(f"== 3/3 evaluation: {recipe.eval.limit} {recipe.eval.prompts} prompts, side by side", flush=True)
-    options = EvalOptions(prompts=recipe.eval.prompts, limit=recipe.eval.limit,
-                          max_new_tokens=recipe.eval.max_new_tokens, proposal=recipe.eval.proposal,
-                          chain_length=recipe.eval.chain_length, tree_size=recipe.eval.tree_size,
-                          temperature=recipe.eval.temperature, top_p=recipe.eval.top_p, dtype=recipe.eval.dtype,
-                          baselines=recipe.eval.baselines, target_path=recipe.target.path, seed=recipe.seed,
-                          device=str(device), max_minutes=recipe.eval.max_minutes)
+    options = dataclasses.replace(recipe.eval, target=recipe.eval.target or recipe.target.path, device=str(device))
     report = evaluate(trained.checkpoint, options)
     write_json(report, recipe.out / "eval.json")
     print()
@@ -158,30 +184,34 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("recipe", help="a recipe YAML or a shipped recipe name")
         p.add_argument("overrides", nargs="*", help="key=value or section.key=value")
 
-    p = sub.add_parser("eval", help="acceptance, speedup and exactness of a trained drafter")
+    p = sub.add_parser("eval", help="acceptance, speedup and exactness of a trained drafter",
+                       description="Flags and key=value overrides set the same eval settings (docs/metrics.md); "
+                                   "every value is checked before anything loads.")
     p.add_argument("checkpoint")
-    p.add_argument("--prompts", default="mt-bench", help="mt-bench, humaneval, or FILE.jsonl (your traffic)")
-    p.add_argument("--limit", type=int, default=20)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("overrides", nargs="*", help="key=value (or eval.key=value), e.g. limit=5 top_p=0.9")
+    S = argparse.SUPPRESS       # only the flags given are passed on: the defaults live in EvalSettings
+    p.add_argument("--prompts", default=S, help="mt-bench (default), humaneval, or FILE.jsonl (your traffic)")
+    p.add_argument("--limit", default=S, help="prompts evaluated (default 20)")
+    p.add_argument("--max-new-tokens", default=S, help="tokens per prompt (default 128)")
     shape = p.add_mutually_exclusive_group()
-    shape.add_argument("--chain", type=int, nargs="?", const=0, default=None, metavar="K",
+    shape.add_argument("--chain", nargs="?", const="default", default=S, metavar="K",
                        help="propose a chain of K tokens (default K: the drafter's depth)")
-    shape.add_argument("--tree", type=int, nargs="?", const=0, default=None, metavar="N",
+    shape.add_argument("--tree", nargs="?", const="default", default=S, metavar="N",
                        help="propose a tree (N nodes for static trees; default: tuned on this machine)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--rule", default="auto", choices=["auto", "greedy", "sampling", "typical"],
-                   help="acceptance rule; typical is Medusa's and NOT lossless")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="auto: bf16 where native, else packed fp16 weights on x86 CPUs (float16), else fp32")
-    p.add_argument("--baselines", default="plain,generate", help="plain,generate,prompt-lookup")
-    p.add_argument("--exact-prompts", type=int, default=3, help="prompts checked for fp32 exactness")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cost-per-hour", type=float, default=None, help="machine price, for cost per request")
-    p.add_argument("--target", default=None, help="target path (default: the one the checkpoint names)")
+    p.add_argument("--temperature", default=S, help=">= 0; 0 (default) is greedy")
+    p.add_argument("--top-p", default=S, help="in (0, 1] (default 1)")
+    p.add_argument("--rule", default=S, help="auto (default), greedy, sampling, or typical (Medusa's, NOT lossless)")
+    p.add_argument("--dtype", default=S,
+                   help="auto (default: bf16 where native, else packed fp16 weights on x86 CPUs), bfloat16, "
+                        "float16, float32")
+    p.add_argument("--baselines", default=S, help="plain,generate (default); prompt-lookup may be added")
+    p.add_argument("--exact-prompts", default=S, help="prompts checked for fp32 exactness (default 3)")
+    p.add_argument("--seed", default=S)
+    p.add_argument("--cost-per-hour", default=S, help="machine price, for cost per request")
+    p.add_argument("--target", default=S, help="target path (default: the one the checkpoint names)")
     p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda or cuda:N")
-    p.add_argument("--max-minutes", type=float, default=None,
+    p.add_argument("--device", default=S, help="auto (default: cuda when present, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--max-minutes", default=S,
                    help="fit the timed runs into this budget (prompts, then tokens, cut from a measured forward cost)")
 
     p = sub.add_parser("quickstart", help="data + training + evaluation on the embedded default target")
@@ -207,18 +237,29 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     _quiet_libraries()
-    from draftsmith.data.sources import DataError
-    from draftsmith.heads.assets import AssetError
-    from draftsmith.heads.device import DeviceError
-    from draftsmith.heads.target import TargetError
-    from draftsmith.train.settings import RecipeError
-
     try:
         VERBS[args.verb](args)
-    except (RecipeError, DataError, AssetError, TargetError, DeviceError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted: finished work is kept; run the same command again to continue", file=sys.stderr)
+        return 130
+    except Exception as err:               # one line with the fix; the traceback only with -v
+        if args.verbose:
+            raise
+        print(f"error: {describe(err)}", file=sys.stderr)
         return 2
     return 0
+
+
+def describe(err: BaseException) -> str:
+    """One line for an error: draftsmith's own errors say what to do; anything else is named as a bug."""
+    from draftsmith.heads.files import describe_os_error
+
+    if isinstance(err, OSError) and not isinstance(err, FileNotFoundError):
+        return describe_os_error(err)
+    if isinstance(err, (ValueError, FileNotFoundError)):
+        return str(err)
+    return (f"{type(err).__name__}: {err} (unexpected: run again with -v for the traceback, and report it "
+            "if it looks like a bug)")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ from draftsmith.heads.drafter import load_drafter
 from draftsmith.heads.target import Target, resolve_dtype
 
 from . import metrics
+from .settings import EvalSettings
 from .verifier import decode
 
 log = logging.getLogger(__name__)
@@ -32,26 +34,7 @@ log = logging.getLogger(__name__)
 PROMPT_LOOKUP_TOKENS = 10   # transformers' documented example value
 
 
-@dataclass
-class EvalOptions:
-    prompts: str = "mt-bench"
-    limit: int = 20
-    max_new_tokens: int = 128
-    proposal: str = "default"          # default | chain | tree
-    chain_length: int | None = None
-    tree_size: int | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    rule: str = "auto"                 # auto | greedy | sampling | typical
-    dtype: str = "auto"
-    baselines: tuple = ("plain", "generate")
-    exact_prompts: int = 3             # fp32 exactness checked on this many prompts (all with dtype float32)
-    seed: int = 0
-    cost_per_hour: float | None = None
-    target_path: str | None = None     # default: the one the checkpoint names
-    tree_depth_topk_total: tuple | None = None   # a dynamic tree, when one was chosen (the fp32 check reuses it)
-    device: str = "auto"               # auto (cuda when present, else cpu), cpu, cuda, cuda:N
-    max_minutes: float | None = None   # size prompts and tokens to fit this budget, measured on this machine
+EvalOptions = EvalSettings     # the name the Python API has used
 
 
 @dataclass
@@ -260,8 +243,9 @@ def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOpt
 def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> EvalReport:
     from draftsmith.heads.drafter import read_config
 
+    options = dataclasses.replace(options)        # the tuners and the time budget adjust a copy
     config = read_config(checkpoint)
-    target_path = options.target_path or config.get("target_source") or config["target"]["name"]
+    target_path = options.target or config.get("target_source") or config["target"]["name"]
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     target = Target.load(target_path, dtype, device)
@@ -269,7 +253,7 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
     description = configure_proposal(drafter, target, options)
     prompts = load_prompts(target, options.prompts, options.limit)
     # warm-up: every mode once, untimed (first calls allocate, and on a GPU load kernels)
-    run_modes(target, drafter, prompts[0][1][:32], EvalOptions(**{**asdict(options), "max_new_tokens": 8}), 0)
+    run_modes(target, drafter, prompts[0][1][:32], dataclasses.replace(options, max_new_tokens=8), 0)
     costs = step_costs(target, drafter, prompts[0][1])
     prompts, sizing = fit_budget(prompts, options, costs["target_forward_ms"] / 1000, dtype)
     results = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from draftsmith.heads.files import write_atomic
+
 from .benchmark import EvalReport
 
 MODE_NAMES = {"plain": "plain decoding (draftsmith engine)", "speculative": "speculative (draftsmith)",
@@ -49,6 +51,4 @@ def markdown(report: EvalReport) -> str:
 def write_json(report: EvalReport, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report.to_dict(), indent=2))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(report.to_dict(), indent=2))

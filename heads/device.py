@@ -63,3 +63,14 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """cuda and cuda:<current> are one device; cpu and cpu:0 too."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)

@@ -20,13 +20,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from .config import config_from_dict
+from .files import save_tensors_atomic, sha256_file, write_atomic
 from .target import Target, TargetError, TargetIdentity
 
 CONFIG_FILE = "config.json"
-RESERVED = ("kind", "draftsmith_version", "target", "target_source", "target_layer_ids", "drafter", "architecture")
+RESERVED = ("kind", "draftsmith_version", "target", "target_source", "target_architecture", "target_layer_ids",
+            "drafter", "architecture", "weights_sha256")
 WEIGHTS_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is damaged or incomplete."""
 
 
 @dataclass
@@ -64,15 +71,6 @@ def registry() -> dict:
     return {cls.kind: cls for cls in (Medusa, Eagle, Eagle3)}
 
 
-def config_from_dict(config_cls, values: dict, where: str):
-    """Build a config dataclass, rejecting unknown keys with the list of valid ones."""
-    names = [f.name for f in dataclasses.fields(config_cls)]
-    unknown = sorted(set(values) - set(names))
-    if unknown:
-        raise ValueError(f"unknown key(s) {unknown} in {where}; valid keys: {names}")
-    return config_cls(**values)
-
-
 def save_drafter(drafter, directory: Path, extra: dict | None = None, state: dict | None = None) -> None:
     """Write config.json and model.safetensors (the drafter's own weights only), atomically per file.
 
@@ -82,30 +80,67 @@ def save_drafter(drafter, directory: Path, extra: dict | None = None, state: dic
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in (state or drafter.state_dict()).items()}
-    tmp = directory / (WEIGHTS_FILE + ".tmp")
-    save_file(state, str(tmp), metadata={"format": "pt", "kind": drafter.kind})
-    tmp.replace(directory / WEIGHTS_FILE)
+    save_tensors_atomic(state, directory / WEIGHTS_FILE, metadata={"format": "pt", "kind": drafter.kind})
+    model_config = getattr(getattr(drafter.target, "model", None), "config", None)
     config = {
         "kind": drafter.kind,
         "draftsmith_version": __version__,
         "target": drafter.target_identity.to_dict(),
         "target_source": getattr(drafter.target, "source", drafter.target_identity.name),
+        "target_architecture": ((getattr(model_config, "architectures", None) or [None])[0]
+                                or type(drafter.target.model).__name__),
         "target_layer_ids": list(getattr(drafter, "layer_ids", drafter.required_layers)),
         "drafter": dataclasses.asdict(drafter.config),
         **({"architecture": drafter.architecture()} if hasattr(drafter, "architecture") else {}),
         **{k: v for k, v in getattr(drafter, "metadata", {}).items() if k not in RESERVED},
         **(extra or {}),
+        "weights_sha256": sha256_file(directory / WEIGHTS_FILE),
     }
-    tmp = directory / (CONFIG_FILE + ".tmp")
-    tmp.write_text(json.dumps(config, indent=2))
-    tmp.replace(directory / CONFIG_FILE)
+    write_atomic(directory / CONFIG_FILE, json.dumps(config, indent=2))
+
+
+REQUIRED_KEYS = {"kind": None, "drafter": None,
+                 "target": ("name", "model_type", "vocab_size", "hidden_size", "num_layers", "weights_sha256")}
 
 
 def read_config(directory: Path) -> dict:
+    """A checkpoint's config.json, checked for the keys draftsmith needs (each error names the file and key)."""
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"'{directory}' is not a draftsmith checkpoint: no {CONFIG_FILE}")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}); the checkpoint is damaged: restore it or "
+                              "train again") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    for key, inner in REQUIRED_KEYS.items():
+        if key not in config:
+            raise CheckpointError(f"{path} has no '{key}' key; the checkpoint is damaged or not draftsmith's")
+        missing = [k for k in inner or () if not isinstance(config[key], dict) or k not in config[key]]
+        if missing:
+            raise CheckpointError(f"{path}: '{key}' has no {', '.join(repr(k) for k in missing)}; the checkpoint is "
+                                  "damaged or from an incompatible draftsmith")
+    return config
+
+
+def read_weights(directory: Path, config: dict | None = None) -> dict:
+    """model.safetensors, checked against the checksum config.json recorded when it was written."""
+    directory = Path(directory)
+    config = config or read_config(directory)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f"checkpoint '{directory}' has no {WEIGHTS_FILE}")
+    recorded = config.get("weights_sha256")
+    if recorded and sha256_file(weights) != recorded:
+        raise CheckpointError(f"damaged checkpoint: {weights} does not match the checksum in {CONFIG_FILE} (its "
+                              "bytes changed after it was saved); restore it from a copy or train again")
+    try:
+        return load_file(str(weights))
+    except Exception as err:     # safetensors raises its own error type for a truncated or garbled file
+        raise CheckpointError(f"damaged checkpoint: {weights} cannot be read ({err}); restore it from a copy or "
+                              "train again") from None
 
 
 def load_drafter(directory: Path, target: Target):
@@ -118,10 +153,7 @@ def load_drafter(directory: Path, target: Target):
     TargetIdentity.from_dict(config["target"]).require_same(target.identity, f"drafter '{directory}'")
     cls = kinds[config["kind"]]
     drafter = cls(config_from_dict(cls.config_class, config["drafter"], f"{directory}/{CONFIG_FILE}"), target)
-    weights = directory / WEIGHTS_FILE
-    if not weights.is_file():
-        raise FileNotFoundError(f"checkpoint '{directory}' has no {WEIGHTS_FILE}")
-    state = load_file(str(weights))
+    state = read_weights(directory, config)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise TargetError(f"checkpoint '{directory}' does not fit a {config['kind']} drafter with its config: "

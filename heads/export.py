@@ -21,9 +21,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from .drafter import WEIGHTS_FILE, read_config
+from .drafter import read_config, read_weights
+from .files import swap_directory
 
 FORMATS = ("vllm", "speculators", "sglang", "trtllm", "medusa-original")
 SUPPORTED = {"medusa": ("vllm", "medusa-original"), "eagle3": ("vllm", "speculators", "sglang", "trtllm")}
@@ -92,24 +93,43 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
     if fmt not in SUPPORTED.get(kind, ()):
         raise ExportError(f"a {kind} drafter cannot be exported as '{fmt}': the formats for {kind} are "
                           f"{', '.join(SUPPORTED.get(kind, ())) or 'none yet'}")
-    weights = load_file(str(checkpoint / WEIGHTS_FILE))
+    weights = read_weights(checkpoint, config)
     check_weights(weights, config, str(checkpoint))
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise ExportError(f"output directory '{out_dir}' is not empty; pass --overwrite to replace it")
+    check_destination(checkpoint, out_dir, overwrite)
     target = _target_for(config, target_path, dtype, device) if _needs_target(config, fmt) or target_path else None
     from . import export_formats
     tensors, files = export_formats.WRITERS[(kind, fmt)](config, weights, target, _dtype(dtype), checkpoint)
     tmp = out_dir.with_name(out_dir.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    files = {**files, EXPORT_MARK: {"format": fmt, "checkpoint": str(checkpoint.resolve()), "dtype": dtype}}
     for name, content in files.items():
         (tmp / name).write_text(content if isinstance(content, str) else json.dumps(content, indent=2) + "\n")
     for filename, state in tensors.items():
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / filename), metadata={"format": "pt"})
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    swap_directory(tmp, out_dir)
     return out_dir
+
+
+EXPORT_MARK = "draftsmith-export.json"     # what marks a directory as an export that --overwrite may replace
+PROTECTED = ("config.json", "model.safetensors", "recipe.yaml", "data", "checkpoint", "manifest.json", "state")
+
+
+def check_destination(checkpoint: Path, out_dir: Path, overwrite: bool) -> None:
+    """An export never lands on (or around) the checkpoint, and --overwrite replaces only an earlier export."""
+    source, dest = checkpoint.resolve(), out_dir.resolve()
+    if dest == source or dest in source.parents:
+        raise ExportError(f"cannot export into '{out_dir}': it is (or contains) the checkpoint '{checkpoint}'; "
+                          "choose a new directory for the export")
+    if not out_dir.exists() or not any(out_dir.iterdir()):
+        return
+    if not (out_dir / EXPORT_MARK).is_file():
+        held = sorted(name for name in PROTECTED if (out_dir / name).exists())
+        raise ExportError(f"'{out_dir}' is not empty and is not an earlier draftsmith export"
+                          + (f" (it holds {', '.join(held)})" if held else "")
+                          + "; --overwrite only replaces an earlier export: choose a new or empty directory")
+    if not overwrite:
+        raise ExportError(f"'{out_dir}' holds an earlier export; pass --overwrite to replace it")
 
 
 def _needs_target(config: dict, fmt: str) -> bool:

@@ -171,6 +171,19 @@ def _verifier_path(config) -> str:
         return config["target"]["name"]
 
 
+def target_architecture(config: dict) -> str:
+    """The target's model class, as the checkpoint recorded it (older checkpoints: from its model_type)."""
+    if config.get("target_architecture"):
+        return config["target_architecture"]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config["target"]["model_type"]
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"cannot tell the target's architecture: the checkpoint records model_type '{model_type}' "
+                         "and no target_architecture; re-save it with this draftsmith")
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+
+
 def eagle3_speculators(config, weights, target, dtype, checkpoint):
     ids = config["target_layer_ids"][:3]
     depth = config["drafter"]["tree"]["depth"]
@@ -179,7 +192,7 @@ def eagle3_speculators(config, weights, target, dtype, checkpoint):
            "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": depth}],
                                   "verifier": {"name_or_path": _verifier_path(config),
-                                               "architectures": [config.get("target_architecture") or "LlamaForCausalLM"]}},
+                                               "architectures": [target_architecture(config)]}},
            "transformer_layer_config": layer, "draft_vocab_size": layer["draft_vocab_size"],
            "target_hidden_size": layer["target_hidden_size"], "norm_before_residual": False,
            "norm_before_fc": False, "eagle_aux_hidden_state_layer_ids": ids, "torch_dtype": layer["torch_dtype"]}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -36,19 +36,25 @@ class TargetIdentity:
     vocab_size: int
     hidden_size: int
     num_layers: int
-    weights_sha256: str  # of the embedding and lm_head, in bf16
+    weights_sha256: str  # of the embedding and lm_head, whole, in bf16
+    layers_sha256: str = ""  # of a strided sample (256 values) of every parameter, in bf16 ("" in old checkpoints)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> TargetIdentity:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: d[k] for k, f in cls.__dataclass_fields__.items() if k in d or f.default is MISSING})
 
     def require_same(self, other: TargetIdentity, what: str) -> None:
-        """Raise unless `other` is the same target (the name may differ: a path moves)."""
-        fields = ("vocab_size", "hidden_size", "num_layers", "weights_sha256")
+        """Raise unless `other` is the same target (the name may differ: a path moves).  A checkpoint
+        written before layers_sha256 existed is compared on the rest."""
+        fields = ["vocab_size", "hidden_size", "num_layers", "weights_sha256"]
+        if self.layers_sha256 and other.layers_sha256:
+            fields.append("layers_sha256")
         diffs = [f"{f}: {getattr(self, f)} vs {getattr(other, f)}" for f in fields if getattr(self, f) != getattr(other, f)]
+        if diffs == [f"layers_sha256: {self.layers_sha256} vs {other.layers_sha256}"]:
+            diffs[0] += " (same embedding and lm_head, other layer weights: a fine-tune of the same base?)"
         if diffs:
             raise TargetError(
                 f"{what} was made for target '{self.name}' but the loaded target is '{other.name}' "
@@ -68,6 +74,17 @@ def _weights_hash(*tensors: torch.Tensor) -> str:
     digest = hashlib.sha256()
     for t in tensors:
         digest.update(t.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _sampled_hash(model: nn.Module, samples: int = 256) -> str:
+    """A hash of `samples` evenly strided values of every parameter, in bf16: any fine-tune changes it,
+    and it costs milliseconds however large the model (the values are gathered on the model's device)."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        flat = p.detach().reshape(-1)
+        picked = flat[:: max(1, flat.numel() // samples)][:samples]
+        digest.update(picked.to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -130,6 +147,7 @@ class Target:
             name=name, model_type=str(config.model_type), vocab_size=self.vocab_size,
             hidden_size=self.hidden_size, num_layers=self.num_layers,
             weights_sha256=_weights_hash(self.embed_tokens.weight, self.lm_head.weight),
+            layers_sha256=_sampled_hash(model),
         )
         self.eos_token_ids = self._eos_ids()
         self.source = name

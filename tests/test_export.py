@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import build_tiny_target
 from draftsmith.eval.verifier import decode
-from draftsmith.heads.drafter import save_drafter
+from draftsmith.heads.drafter import CheckpointError, save_drafter
 from draftsmith.heads.eagle3 import Eagle3, Eagle3Config
 from draftsmith.heads.export import ExportError, export
 from draftsmith.heads.export_formats import import_medusa_original
@@ -99,8 +99,9 @@ def test_export_refusals(tiny_target, tmp_path):
         export(tmp_path / "two", "sglang", tmp_path / "x")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("mine")
-    with pytest.raises(ExportError, match="not empty; pass --overwrite"):
-        export(tmp_path / "two", "vllm", tmp_path / "busy")
+    for overwrite in (False, True):       # --overwrite replaces an earlier export, never anything else
+        with pytest.raises(ExportError, match="not empty and is not an earlier draftsmith export"):
+            export(tmp_path / "two", "vllm", tmp_path / "busy", overwrite=overwrite)
     assert (tmp_path / "busy" / "keep.txt").read_text() == "mine"
     eagle3_checkpoint(tiny_target, tmp_path / "e0", layer_ids=(0, 1, 2))
     with pytest.raises(ExportError, match="layer id 0"):
@@ -113,6 +114,11 @@ def test_damaged_checkpoint_and_wrong_target_are_refused(tiny_target, tmp_path):
     weights["stray.weight"] = torch.zeros(2)
     del weights["blocks.1.0.linear.bias"]
     save_file(weights, str(tmp_path / "ckpt" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="damaged checkpoint: .* does not match the checksum"):
+        export(tmp_path / "ckpt", "vllm", tmp_path / "out")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    del config["weights_sha256"]          # as written before checksums: the tensor check still catches it
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match=r"missing \['blocks.1.0.linear.bias'\], extra \['stray.weight'\]"):
         export(tmp_path / "ckpt", "vllm", tmp_path / "out")
     medusa_checkpoint(tiny_target, tmp_path / "good", num_heads=2, lm_head="own")

@@ -11,14 +11,15 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import time
 from pathlib import Path
 
 import torch
-from draftsmith.heads.drafter import WEIGHTS_FILE, read_config, save_drafter
+from draftsmith.heads.drafter import WEIGHTS_FILE, read_config, read_weights, save_drafter
+from draftsmith.heads.files import require_writable, swap_directory, write_atomic
 from draftsmith.heads.target import TargetIdentity
-from safetensors.torch import load_file
 
-from .settings import Recipe, save_recipe
+from .settings import Recipe, RecipeError, save_recipe
 
 # Recipe keys that may change between a save and a resume.
 RESUME_FREE = {"resume", "output_dir", "eval", "train.max_steps", "train.max_minutes", "train.epochs",
@@ -26,13 +27,30 @@ RESUME_FREE = {"resume", "output_dir", "eval", "train.max_steps", "train.max_min
                "data.max_minutes", "target.device"}
 
 
-def _swap_in(tmp: Path, final: Path) -> None:
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+def guard_output(recipe: Recipe) -> None:
+    """Before any work: output_dir can be written, and a trained checkpoint is not replaced unasked."""
+    require_writable(recipe.out, "output_dir")
+    checkpoint = recipe.out / "checkpoint"
+    if (checkpoint / WEIGHTS_FILE).is_file() and not recipe.resume and not recipe.overwrite:
+        raise RecipeError(f"'{checkpoint}' already holds a trained drafter ({_steps(checkpoint)}): add resume=true "
+                          "to continue training it, or overwrite=true to train a new one in its place, or choose "
+                          "another output_dir")
+
+
+def set_aside(checkpoint: Path) -> Path | None:
+    """Move a trained checkpoint out of the way (checkpoint.replaced-<time>) instead of replacing it."""
+    if not (checkpoint / WEIGHTS_FILE).is_file():
+        return None
+    aside = checkpoint.with_name(f"{checkpoint.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    checkpoint.rename(aside)
+    return aside
+
+
+def _steps(checkpoint: Path) -> str:
+    try:
+        return f"{json.loads((checkpoint / 'state' / 'progress.json').read_text())['step']} steps"
+    except (OSError, ValueError, KeyError):
+        return "no resume state"
 
 
 def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimizer, scheduler, progress: dict) -> None:
@@ -47,14 +65,14 @@ def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimiz
         save_drafter(drafter, tmp, state=weights)
         save_recipe(recipe, tmp / "recipe.yaml")
         torch.save(optimizer.state_dict(), tmp / "state" / "optimizer.pt")
-        (tmp / "state" / "scheduler.json").write_text(json.dumps(_scheduler_state(scheduler)))
-        (tmp / "state" / "progress.json").write_text(json.dumps(progress))
+        write_atomic(tmp / "state" / "scheduler.json", json.dumps(_scheduler_state(scheduler)))
+        write_atomic(tmp / "state" / "progress.json", json.dumps(progress))
     accelerator.wait_for_everyone()
     torch.save({"torch": rank_state["torch"], "python": _python_state(rank_state["python"])},
                tmp / "state" / f"rng-{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        _swap_in(tmp, directory)
+        swap_directory(tmp, directory)
     accelerator.wait_for_everyone()
 
 
@@ -104,7 +122,7 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
                          + "; ".join(diffs) + "). Use the same settings, or another output_dir")
     drafter = accelerator.unwrap_model(model)
     TargetIdentity.from_dict(read_config(found)["target"]).require_same(drafter.target_identity, f"checkpoint {found}")
-    drafter.load_state_dict(load_file(str(found / WEIGHTS_FILE)), strict=True)
+    drafter.load_state_dict(read_weights(found), strict=True)
     from draftsmith.heads.drafter import RESERVED
     drafter.metadata.update({k: v for k, v in read_config(found).items() if k not in RESERVED})
     optimizer.load_state_dict(torch.load(found / "state" / "optimizer.pt", weights_only=True, map_location="cpu"))

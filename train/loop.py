@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 
 import torch
 from draftsmith.eval.metrics import simulated_tau
-from draftsmith.heads.device import resolve_device
+from draftsmith.heads.device import resolve_device, same_device
 from draftsmith.heads.drafter import registry, save_drafter
+from draftsmith.heads.files import DirectoryLock
 from draftsmith.heads.target import Target, resolve_dtype
 
 from .batches import Batches, feature_layers, load_training_data
-from .checkpointing import load_state, save_checkpoint
+from .checkpointing import guard_output, load_state, save_checkpoint
 from .settings import Recipe
 
 log = logging.getLogger(__name__)
@@ -137,8 +138,19 @@ def build_drafter(recipe: Recipe, target: Target, train_rows):
 
 
 def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> TrainReport:
-    """Train the recipe's drafter on output_dir/data (made first if missing); write output_dir/checkpoint."""
+    """Train the recipe's drafter on output_dir/data (made first if missing); write output_dir/checkpoint.
+
+    Refuses, before any work, an output_dir it cannot write, one that another process is using, and
+    one whose trained checkpoint would be replaced without resume=true or overwrite=true."""
+    guard_output(recipe)
     accelerator = make_accelerator(recipe)
+    if not accelerator.is_main_process:    # the main process holds output_dir's lock for the whole run
+        return _fit(recipe, accelerator, target, progress)
+    with DirectoryLock(recipe.out, "training run"):
+        return _fit(recipe, accelerator, target, progress)
+
+
+def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> TrainReport:
     torch.manual_seed(recipe.seed)
     if target is None:
         target = Target.load(recipe.target.path, recipe.target.dtype, accelerator.device,
@@ -186,17 +198,6 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
     gc.collect()
     accelerator.end_training()
     return report
-
-
-def same_device(a: torch.device | str, b: torch.device | str) -> bool:
-    """cuda and cuda:<current> are one device; cpu and cpu:0 too."""
-    a, b = torch.device(a), torch.device(b)
-    if a.type != b.type:
-        return False
-    if a.type != "cuda":
-        return True
-    current = torch.cuda.current_device()
-    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
 
 
 def _warmup_cosine(warmup: int, total: int, clock: dict):

@@ -8,15 +8,18 @@ names it and lists the valid keys.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 from draftsmith.data.distill import DataSettings
-from draftsmith.heads.drafter import config_from_dict, registry
+from draftsmith.eval.settings import EvalSettings
+from draftsmith.heads.config import ConfigError, coerce, config_from_dict
+from draftsmith.heads.drafter import registry
 
 
-class RecipeError(ValueError):
+class RecipeError(ConfigError):
     """A recipe that does not describe a valid run."""
 
 
@@ -98,41 +101,15 @@ class TrainSettings:
         for name in ("batch_size", "grad_accum", "save_every", "log_every", "eval_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise RecipeError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-
-
-@dataclass
-class EvalSettings:
-    prompts: str = "mt-bench"
-    """mt-bench, humaneval, or a JSONL file of chats/prompts."""
-    limit: int = 20
-    """Prompts evaluated."""
-    max_new_tokens: int = 128
-    """Tokens generated per prompt."""
-    proposal: str = "default"
-    """default (the drafter's), chain, or tree."""
-    chain_length: int | None = None
-    """Draft tokens per step for proposal=chain (default: the drafter's depth)."""
-    tree_size: int | None = None
-    """Nodes of the static tree for proposal=tree (default: tuned to the measured forward cost)."""
-    temperature: float = 0.0
-    """0 = greedy (exactness checked); > 0 samples losslessly."""
-    top_p: float = 1.0
-    """Nucleus mass when sampling."""
-    dtype: str = "auto"
-    """Speed runs in this dtype: auto (bf16 where supported), bfloat16, float32."""
-    baselines: tuple[str, ...] = ("plain", "generate")
-    """Timed side by side: plain (draftsmith's engine), generate (transformers), prompt-lookup (transformers)."""
-    max_minutes: float | None = None
-    """Fit the timed runs into this many minutes: prompts (then tokens) are cut from a measured forward cost."""
-
-    def __post_init__(self):
-        self.baselines = tuple(self.baselines)
-        unknown = set(self.baselines) - {"plain", "generate", "prompt-lookup"}
-        if unknown or "plain" not in self.baselines:
-            raise RecipeError(f"eval.baselines must include 'plain' and only plain, generate, prompt-lookup; got "
-                              f"{list(self.baselines)}")
-        if self.proposal not in ("default", "chain", "tree"):
-            raise RecipeError(f"eval.proposal must be default, chain or tree, got '{self.proposal}'")
+        if not self.epochs > 0:
+            raise RecipeError(f"train.epochs must be > 0 (fractions allowed), got {self.epochs}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise RecipeError(f"train.max_steps must be >= 1, or null to let train.epochs decide; got {self.max_steps}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise RecipeError(f"train.max_minutes must be > 0, or null for no cap; got {self.max_minutes}")
+        for name in ("lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "eval_prompts"):
+            if getattr(self, name) < 0:
+                raise RecipeError(f"train.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass
@@ -145,6 +122,8 @@ class Recipe:
     """Seeds data order, sampling, initialisation and batching."""
     resume: bool = False
     """Continue training from output_dir/checkpoint's saved state."""
+    overwrite: bool = False
+    """Train a new drafter over a trained checkpoint in output_dir (without it, train refuses to)."""
     target: TargetSettings = field(default_factory=TargetSettings)
     data: DataSettings = field(default_factory=DataSettings)
     drafter: object = None
@@ -157,6 +136,9 @@ class Recipe:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        for section in ("target", "data", "train", "eval"):     # what a run sets for itself is not a setting
+            settable = {f.name for f in dataclasses.fields(getattr(self, section)) if f.init}
+            d[section] = {k: v for k, v in d[section].items() if k in settable}
         for section in ("train", "eval"):
             for key, value in d[section].items():
                 if isinstance(value, tuple):
@@ -174,7 +156,7 @@ def _section(cls, values, name: str):
         raise RecipeError(f"recipe section '{name}' must be a mapping, got {type(values).__name__}")
     try:
         return config_from_dict(cls, values, f"recipe section '{name}'")
-    except (TypeError, ValueError) as err:
+    except ValueError as err:
         raise RecipeError(str(err)) from None
 
 
@@ -190,6 +172,11 @@ def recipe_from_dict(raw: dict) -> Recipe:
     if method not in kinds:
         raise RecipeError(f"recipe 'method' must be one of {sorted(kinds)}, got {method!r}")
     values = {k: v for k, v in raw.items() if k not in SECTIONS and k != "drafter"}
+    hints = typing.get_type_hints(Recipe)
+    try:
+        values = {k: coerce(v, hints[k], f"recipe key '{k}'") for k, v in values.items()}
+    except ConfigError as err:
+        raise RecipeError(str(err)) from None
     sections = {name: _section(cls, raw.get(name), name) for name, cls in SECTIONS.items()}
     drafter = _section(kinds[method].config_class, raw.get("drafter"), "drafter")
     return Recipe(**values, **sections, drafter=drafter)
@@ -215,7 +202,15 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe '{path}' does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise RecipeError(f"recipe '{path}' is not valid YAML{at}: {problem}") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"recipe '{path}' is not UTF-8 text") from None
     return recipe_from_dict(apply_overrides(raw, list(overrides)))
 
 

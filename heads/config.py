@@ -1,0 +1,108 @@
+"""Typed settings: every dataclass of settings (recipe sections, drafter configs, eval options) is built
+here, from YAML values, `key=value` overrides or command-line flags alike.
+
+Each value is checked and coerced against its field's annotation when it is parsed, before any work is
+done: `train.lr=1e-4` (a string to YAML) becomes a float, `train.lr=abc` is an error that names the key,
+the type it wants and the value it got.  Unknown keys are errors that list the valid ones.  Range checks
+stay in each dataclass's `__post_init__`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+
+
+class ConfigError(ValueError):
+    """A setting whose value or key is not valid."""
+
+
+def config_from_dict(config_cls, values: dict, where: str):
+    """Build `config_cls` from `values`, coercing each to its field's type; unknown keys are errors."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} must be a mapping of keys to values, got {type(values).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(config_cls) if f.init}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where}; valid keys: {list(fields)}")
+    hints = typing.get_type_hints(config_cls)
+    coerced = {name: coerce(value, hints[name], f"{where}: '{name}'") for name, value in values.items()}
+    try:
+        return config_cls(**coerced)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def coerce(value, annotation, where: str):
+    """`value` as `annotation` (str, int, float, bool, X | None, list[X], tuple[X, ...], tuple[X, Y], dict)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return coerce(value, option, where)
+            except ConfigError as err:
+                errors.append(err)
+        raise errors[0] if len(errors) == 1 else ConfigError(
+            f"{where} must be {' or '.join(_name(o) for o in args)}, got {value!r}")
+    if value is None:
+        raise ConfigError(f"{where} must be {_name(annotation)}, got null")
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{where} must have {len(args)} items, got {len(value)}: {value!r}")
+            return tuple(coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else typing.Any
+        items = [coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or annotation is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} must be a whole number, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    return value
+
+
+def _name(annotation) -> str:
+    if annotation is type(None):
+        return "null"
+    return {str: "a string", int: "a whole number", float: "a number", bool: "true or false",
+            dict: "a mapping"}.get(annotation, getattr(annotation, "__name__", str(annotation)))

@@ -1,0 +1,171 @@
+"""Writing files so that a crash, a kill or a full disk never leaves a half-written one in place.
+
+Every file draftsmith writes goes through `write_atomic` (or `save_tensors_atomic` for safetensors):
+the bytes go to a temporary name beside the final one, which is then renamed over it (atomic on POSIX).
+`swap_directory` does the same for a whole directory.  `require_writable` and `require_free_space`
+check a destination before any work is done.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+
+class StorageError(OSError):
+    """A destination that cannot be written: not writable, or not enough free space."""
+
+
+def write_atomic(path: str | Path, content: str | bytes) -> None:
+    """Write `content` to `path` through a temporary file and a rename."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(content.encode("utf-8") if isinstance(content, str) else content)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def save_tensors_atomic(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
+    """safetensors' save_file, through a temporary file and a rename."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def swap_directory(tmp: Path, final: Path) -> None:
+    """Put the finished directory `tmp` at `final`; the old `final`, if any, is removed only after."""
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def require_writable(path: str | Path, what: str) -> None:
+    """Raise StorageError unless a file can be created in directory `path` (created if missing)."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".draftsmith-write-probe-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise StorageError(err.errno or errno.EACCES,
+                           f"{what} '{path}' is not writable ({err.strerror or err}); choose a directory you "
+                           "can write to, or fix its permissions") from None
+
+
+def require_free_space(path: str | Path, needed_bytes: int, what: str) -> None:
+    """Raise StorageError when the file system holding `path` has less than `needed_bytes` free."""
+    path = Path(path)
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    free = shutil.disk_usage(existing).free
+    if free < needed_bytes:
+        raise StorageError(errno.ENOSPC,
+                           f"{what} needs about {_size(needed_bytes)} at '{path}', but only {_size(free)} is free "
+                           "there; free some space, choose another output_dir, or make less data "
+                           "(data.max_conversations)")
+
+
+def describe_os_error(err: OSError) -> str:
+    """One line for a file-system error, naming the path and the fix."""
+    if isinstance(err, StorageError):
+        return err.strerror or str(err)
+    where = f" '{err.filename}'" if err.filename else ""
+    if err.errno == errno.ENOSPC:
+        directory = Path(err.filename).parent if err.filename else Path.cwd()
+        existing = next((p for p in [directory, *directory.parents] if p.exists()), Path.cwd())
+        return (f"the disk is full writing{where} ({_size(shutil.disk_usage(existing).free)} free at "
+                f"'{existing}'); free some space or choose another output_dir. Finished work is kept: run the "
+                "same command again to continue")
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write{where}: {err.strerror}; choose a directory you can write to, or fix its permissions"
+    return f"{err.strerror or err}{where}"
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} bytes"
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def directory_lock_pid(directory: Path) -> int | None:
+    """The process id recorded in `directory`'s lock file, if any (see train/... lock users)."""
+    try:
+        return int((directory / ".lock").read_text().strip() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+_HELD: dict[str, tuple[int, int]] = {}     # resolved directory -> (file descriptor, depth)
+
+
+class DirectoryLock:
+    """An exclusive lock on a run directory (`.lock`, flock), held by one process at a time.
+
+    Re-entrant within a process (the quickstart makes data and trains under one lock).  A second
+    process gets a StorageError naming the holder's process id."""
+
+    def __init__(self, directory: str | Path, what: str):
+        self.directory, self.what = Path(directory), what
+
+    def __enter__(self):
+        import fcntl
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        key = str(self.directory.resolve())
+        if key in _HELD:
+            fd, depth = _HELD[key]
+            _HELD[key] = (fd, depth + 1)
+            return self
+        fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = directory_lock_pid(self.directory)
+            raise StorageError(errno.EBUSY,
+                               f"'{self.directory}' is in use by another draftsmith process"
+                               + (f" (pid {holder})" if holder else "")
+                               + f"; wait for it to finish, or give this {self.what} another output_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        _HELD[key] = (fd, 1)
+        return self
+
+    def __exit__(self, *exc):
+        key = str(self.directory.resolve())
+        fd, depth = _HELD[key]
+        if depth > 1:
+            _HELD[key] = (fd, depth - 1)
+            return
+        del _HELD[key]
+        os.close(fd)        # releases the flock; the file stays (a stale pid in it means nothing)
