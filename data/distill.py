@@ -15,7 +15,9 @@ reply tokens) and, when the drafter's layers are known, the hidden states
 those forwards computed (data/features.py).  Both are written atomically
 (temporary file, then rename), the features first, so a run killed at any
 point loses at most the batch in flight and a restart skips every finished
-shard: no duplicates, nothing lost.  Sampling is seeded per batch, so a
+shard: no duplicates, nothing lost.  At the time cap (`data.max_minutes`) the
+finished conversations of shards still in flight are written as parts of
+their shard (`shard-00003.part0.jsonl`); a rerun makes only the rest.  Sampling is seeded per batch, so a
 resumed run gives what an uninterrupted one would.  At the end the shards
 become an Arrow dataset (`tokenized/`: id, input_ids, loss_mask, shard, row).
 """
@@ -72,7 +74,8 @@ class DataSettings:
     batch_size: int = 64
     """Conversations generated together."""
     max_minutes: float | None = None
-    """Stop generating after this many minutes (finished batches are kept); null = no cap."""
+    """Stop generating after this many minutes (every finished conversation is kept; a rerun continues);
+    null = no cap."""
     max_seq_len: int = 1024
     """Training sequences are cut to this many tokens."""
 
@@ -164,6 +167,12 @@ def shard_paths(data_dir: Path) -> list[Path]:
     return sorted((Path(data_dir) / "shards").glob("shard-*.jsonl"))
 
 
+def shard_parts(out_dir: Path, index: int) -> list[Path]:
+    """Parts of shard `index` written at a time cap (`shard-00003.part0.jsonl`, ...): each holds finished
+    conversations of the shard; the shard itself, written later, holds the rest."""
+    return sorted((Path(out_dir) / "shards").glob(f"shard-{index:05d}.part*.jsonl"))
+
+
 def plan_batches(convs: list[sources.Conversation], batch_size: int, seed: int) -> list[list[sources.Conversation]]:
     """Shuffle with the seed, then sort each window of 8 batches by length so a batch pads little."""
     order = list(convs)
@@ -177,20 +186,22 @@ def plan_batches(convs: list[sources.Conversation], batch_size: int, seed: int) 
 
 
 def write_shard(target: Target, out_dir: Path, index: int, records: list[dict], capture_layers,
-                features_dir: Path) -> None:
-    """Features first, then the shard (its existence marks the shard done), each atomically."""
+                features_dir: Path, name: str | None = None) -> None:
+    """Features first, then the shard (its existence marks the shard done), each atomically.
+    `name`: a part of the shard (kept at a time cap; see `shard_parts`) instead of the shard itself."""
+    name = name or f"shard-{index:05d}"
     if capture_layers and any(r.get("features") is None for r in records):
         # prefill (and vLLM) shards: one forward of the target over every token
         computed = feature_cache.compute_features(target, records, capture_layers)
         for record, feats in zip(records, computed):
             record["features"] = feats
     if capture_layers:
-        feature_cache.write_shard(features_dir / f"shard-{index:05d}.safetensors",
+        feature_cache.write_shard(features_dir / f"{name}.safetensors",
                                   [r.pop("features") for r in records], capture_layers,
                                   target.identity.weights_sha256)
     for r in records:
         r.pop("features", None)
-    write_atomic(out_dir / "shards" / f"shard-{index:05d}.jsonl",
+    write_atomic(out_dir / "shards" / f"{name}.jsonl",
                  "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
@@ -226,9 +237,13 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
         write_shard(target, out_dir, index, records, capture_layers, features_dir)
         bar.update(len(batches[index]))
 
+    def write_part(index: int, records: list[dict]) -> None:
+        name = f"shard-{index:05d}.part{len(shard_parts(out_dir, index))}"
+        write_shard(target, out_dir, index, records, capture_layers, features_dir, name)
+
     # draftsmith's engine keeps one batch full across shards; vLLM batches on its own (no features)
     deadline = start + settings.max_minutes * 60 if settings.max_minutes is not None else None
-    engine = (Regenerator(target, settings, seed, counts, on_tokens, capture_layers, write, deadline)
+    engine = (Regenerator(target, settings, seed, counts, on_tokens, capture_layers, write, deadline, write_part)
               if settings.backend == "transformers" and settings.mode != "prefill" else None)
     for index, batch in enumerate(batches):
         shard = out_dir / "shards" / f"shard-{index:05d}.jsonl"
@@ -243,7 +258,7 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
             counts["prefilled_tokens"] += sum(len(r["input_ids"]) for r in records)
             on_tokens(sum(len(r["input_ids"]) for r in records))
         elif engine is not None:
-            engine.admit(index, batch)
+            engine.admit(index, batch, {r["id"] for part in shard_parts(out_dir, index) for r in read_shard(part)})
             if engine.out_of_time:
                 break
         else:
@@ -251,8 +266,8 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
     if engine is not None:
         engine.finish()
         if engine.inflight:
-            log.info("data.max_minutes: %d shards in flight at the cap were not written (a rerun makes them)",
-                      len(engine.inflight))
+            log.info("data.max_minutes: %d shards were in flight at the cap; their %d finished conversations are "
+                     "kept as parts, and a rerun makes the rest", len(engine.inflight), engine.kept_parts)
     if deadline is not None and time.time() > deadline:
         log.warning("data.max_minutes=%s reached: kept the finished shards; rerun to continue", settings.max_minutes)
     bar.close()

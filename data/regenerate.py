@@ -12,8 +12,9 @@ drive it:
 """
 from __future__ import annotations
 
-import torch
 import time
+
+import torch
 
 from draftsmith.heads.target import Target
 
@@ -52,6 +53,7 @@ class ShardWork:
         self.chats = {c.id: [] for c in batch}
         self.records: dict[str, dict] = {}
         self.open = 0                     # jobs handed out and not yet taken back
+        self.finished: set[int] = set()   # positions whose conversation is complete
 
     def next_job(self, position: int, turn: int):
         """(messages, prompt) for conversation `position`'s turn, or None if it has no such turn or it does not fit."""
@@ -109,41 +111,59 @@ def regenerate_batch(target: Target, work: ShardWork, on_tokens) -> list[dict]:
 class Regenerator:
     """Regenerates shards through one continuously refilled batch of settings.batch_size rows;
     `write(index, records)` is called as each shard completes (not necessarily in index order).
-    A new shard is admitted when the queue empties, so at most the live rows are in flight.  Past
-    `deadline` (time.time()), once a shard has been written, the shards still in flight are left
-    unwritten: a rerun makes them again, whole, so the cap costs their partial work and nothing else."""
+    A new shard is admitted when the queue empties, so at most the live rows are in flight.
+
+    Past `deadline` (time.time()), once a shard has been written, decoding stops.  The conversations
+    of the shards in flight that had finished are kept: `write_part(index, records)` writes them as a
+    part of their shard, and a rerun admits the shard again without them (`exclude`), so the cap costs
+    only the rows that were still decoding.  Every conversation turn samples with its own seeded
+    generator, so the parts and the rest together hold what an uninterrupted run writes."""
 
     def __init__(self, target: Target, settings, seed: int, counts: dict, on_tokens, capture_layers, write,
-                 deadline: float | None = None):
+                 deadline: float | None = None, write_part=None):
         self.target, self.settings, self.seed, self.counts, self.write = target, settings, seed, counts, write
-        self.deadline = deadline
+        self.deadline, self.write_part = deadline, write_part
         self.written = 0
         self.stream = Stream(target, settings.max_new_tokens, settings.batch_size, settings.temperature,
                              settings.top_p, capture_layers, on_tokens)
         self.inflight: dict[int, ShardWork] = {}
+        self.kept_parts = 0                       # finished conversations written as parts at the cap
 
-    def admit(self, index: int, batch: list[sources.Conversation]) -> None:
-        """Start a shard's conversations, then decode until the queue is empty (rows still busy): the next
-        shard refills the batch without a gap, and a time cap waits for the live rows only."""
+    def admit(self, index: int, batch: list[sources.Conversation], exclude: set[str] = frozenset()) -> None:
+        """Start a shard's conversations (but those in `exclude`, kept by an earlier run's part), then decode
+        until the queue is empty (rows still busy): the next shard refills the batch without a gap, and a
+        time cap waits for the live rows only."""
         work = ShardWork(self.target, index, batch, self.settings, self.seed, self.counts)
         self.inflight[index] = work
-        for position in range(len(batch)):
-            self._hand_out(work, position, 0, first=False)
+        for position, conv in enumerate(batch):
+            if conv.id not in exclude and not self._hand_out(work, position, 0, first=False):
+                work.finished.add(position)
         if work.open == 0:                       # nothing in it fits: an empty shard, still written
             self._complete(work)
         self._drain(until_queue_empty=True)
 
     def finish(self) -> None:
-        """Decode everything admitted to the end."""
+        """Decode everything admitted to the end, or to the deadline: then the finished conversations of
+        the shards in flight are written as parts."""
         self._drain(until_queue_empty=False)
+        if self.write_part is None:
+            return
+        for index, work in list(self.inflight.items()):
+            records = [work.records[c.id] for p, c in enumerate(work.batch) if p in work.finished
+                       and c.id in work.records]
+            if records:
+                self.write_part(index, records)
+                self.kept_parts += len(records)
 
-    def _hand_out(self, work: ShardWork, position: int, turn: int, first: bool) -> None:
+    def _hand_out(self, work: ShardWork, position: int, turn: int, first: bool) -> bool:
         job = work.next_job(position, turn)
-        if job is not None:
-            messages, prompt = job
-            work.open += 1
-            self.stream.add(Job((work.index, position, turn, messages, prompt), prompt.input_ids,
-                                work.generator(position, turn)), first=first)
+        if job is None:
+            return False
+        messages, prompt = job
+        work.open += 1
+        self.stream.add(Job((work.index, position, turn, messages, prompt), prompt.input_ids,
+                            work.generator(position, turn)), first=first)
+        return True
 
     def _complete(self, work: ShardWork) -> None:
         self.write(work.index, work.result())
@@ -159,7 +179,8 @@ class Regenerator:
             for (index, position, turn, messages, prompt), out in self.stream.run():
                 work = self.inflight[index]
                 work.open -= 1
-                if work.take(position, messages, prompt, out):
-                    self._hand_out(work, position, turn + 1, first=True)
+                if not (work.take(position, messages, prompt, out)
+                        and self._hand_out(work, position, turn + 1, first=True)):
+                    work.finished.add(position)
                 if work.open == 0:
                     self._complete(work)

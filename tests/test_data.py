@@ -357,3 +357,47 @@ def test_past_the_time_cap_shards_in_flight_are_left_unwritten_after_the_first(t
     engine.admit(1, convs[3:6])
     engine.finish()
     assert written == [(0, 3)] and list(engine.inflight) == [1]      # left for a rerun, not half-written
+
+
+def test_at_the_time_cap_finished_conversations_are_kept_and_a_rerun_makes_the_rest(tiny_target_dir, tmp_path,
+                                                                                     monkeypatch):
+    """The cap lands while shards are in flight: their finished conversations are written as parts, a rerun
+    makes only the rest, and parts plus the rest hold exactly what an uninterrupted run writes."""
+    from draftsmith.data import features as feature_cache
+    from draftsmith.data.distill import make_data, read_shard, shard_paths
+    from draftsmith.data.regenerate import Regenerator
+
+    def records_in(directory):
+        return {r["id"]: r for s in shard_paths(directory) for r in read_shard(s)}
+    source = dialogues_file(tmp_path / "d.jsonl", 24)
+    settings = DataSettings(source=str(source), max_conversations=None, batch_size=4, max_new_tokens=10,
+                            max_turns=2, temperature=0.8)
+    from draftsmith.heads.target import Target
+    tiny_target = Target.load(str(tiny_target_dir), "float32")
+    layers = [tiny_target.num_layers]
+    make_data(tiny_target, settings, tmp_path / "probe", seed=3, progress=False)
+    # a frequent reply token counts as a stop token here, so replies end at different steps, as real ones do
+    from collections import Counter
+    counts = Counter(t for r in records_in(tmp_path / "probe").values()
+                     for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
+    tiny_target.eos_token_ids = tiny_target.eos_token_ids + [counts.most_common(3)[-1][0]]
+    make_data(tiny_target, settings, tmp_path / "whole", seed=3, progress=False, capture_layers=layers)
+
+    def cap_mid_shard(self):     # the clock runs out as soon as a shard in flight has a finished conversation
+        return self.written >= 1 and any(w.finished and w.open for w in self.inflight.values())
+    with monkeypatch.context() as patch:
+        patch.setattr(Regenerator, "out_of_time", property(cap_mid_shard))
+        make_data(tiny_target, settings, tmp_path / "capped", seed=3, progress=False, capture_layers=layers)
+    parts = sorted((tmp_path / "capped" / "shards").glob("shard-*.part*.jsonl"))
+    assert parts, "no shard was in flight with finished conversations at the cap; the test exercised nothing"
+    kept = {r["id"] for p in parts for r in read_shard(p)}
+    assert len(records_in(tmp_path / "capped")) < 24
+    make_data(tiny_target, settings, tmp_path / "capped", seed=3, progress=False, capture_layers=layers)
+
+    whole, resumed = records_in(tmp_path / "whole"), records_in(tmp_path / "capped")
+    assert resumed == whole                                  # nothing lost, nothing twice, the same samples
+    rest = {r["id"] for s in shard_paths(tmp_path / "capped") if ".part" not in s.name for r in read_shard(s)}
+    assert not kept & rest
+    cache = feature_cache.cache_dir(tmp_path / "capped", layers)
+    assert sorted(p.stem for p in cache.glob("shard-*.safetensors")) == [s.stem for s in
+                                                                          shard_paths(tmp_path / "capped")]
