@@ -74,6 +74,11 @@ class Medusa(nn.Module):
         self.config = config
         self.target = target                       # not a submodule: never trained, never saved
         self.target_identity = target.identity
+        self.data_is_target_greedy = False
+        """Set by training when every reply token in the data is the target's own greedy choice (greedy
+        regeneration): labels='target' then reads them from the data instead of recomputing the target's
+        argmax over its whole vocabulary at every position (the data's token is the exact one; the cached
+        bf16 features can flip a near-tie)."""
         d = target.hidden_size
         vocab = config.draft_vocab_size or target.vocab_size
         if vocab > target.vocab_size:
@@ -164,7 +169,7 @@ class Medusa(nn.Module):
         """[b, s] the token that follows each position: the target's greedy choice, or the data's."""
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         following = F.pad(input_ids[:, 1:], (0, 1))
-        if self.config.labels == "data":
+        if self.config.labels == "data" or self.data_is_target_greedy:
             return following
         hidden = batch["features"][self.target.num_layers]
         needed = F.pad(loss_mask[:, 1:], (0, 1)).bool()           # positions whose next token is trained on

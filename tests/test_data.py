@@ -204,6 +204,36 @@ def test_prefill_labels_are_the_targets_own_at_every_reply_position(tiny_target,
     assert source_agree < 0.5                   # and the labels are not the source's text
 
 
+def test_greedy_regenerated_replies_are_the_targets_own_labels(tiny_target, tmp_path):
+    """After greedy regeneration every reply token is the target's argmax, so Medusa reads its labels from
+    the data (no full-vocabulary head per training step); recomputing them agrees but for bf16 near-ties."""
+    from draftsmith.data import features as feature_cache
+    from draftsmith.data.distill import read_shard, shard_paths
+    from draftsmith.heads.medusa import Medusa, MedusaConfig
+    from draftsmith.train.batches import FeatureSource, collate
+    from draftsmith.train.loop import build_drafter
+    from draftsmith.train.settings import recipe_from_dict
+
+    settings = DataSettings(source=str(chats_file(tmp_path / "c.jsonl", 8)), max_conversations=None, batch_size=4,
+                            max_new_tokens=16)
+    N = tiny_target.num_layers
+    make_data(tiny_target, settings, tmp_path / "data", seed=0, progress=False, capture_layers=[N])
+    rows = [{**r, "shard": s.stem, "row": i} for s in shard_paths(tmp_path / "data") for i, r in enumerate(read_shard(s))]
+    cache = FeatureSource(feature_cache.cache_dir(tmp_path / "data", [N]), [N], tiny_target.identity.weights_sha256)
+    batch = collate(rows)
+    batch["features"] = cache.batch(rows, batch["input_ids"].shape[1])
+    medusa = Medusa(MedusaConfig(num_heads=2), tiny_target)
+    recomputed = medusa._next_tokens(batch)
+    medusa.data_is_target_greedy = True
+    from_data = medusa._next_tokens(batch)
+    scored = torch.nn.functional.pad(batch["loss_mask"][:, 1:], (0, 1)).bool()
+    assert scored.sum() > 50
+    assert (from_data[scored] == recomputed[scored]).float().mean().item() >= 0.97
+    for data, greedy in (({}, True), ({"temperature": 0.7}, False), ({"mode": "prefill"}, False)):
+        recipe = recipe_from_dict({"method": "medusa", "data": data, "drafter": {"draft_vocab_size": None}})
+        assert build_drafter(recipe, tiny_target, {}).data_is_target_greedy is greedy
+
+
 def test_training_refuses_data_made_for_another_recipe(tiny_target, tmp_path):
     from draftsmith.train.batches import load_training_data
     from draftsmith.train.settings import recipe_from_dict

@@ -120,6 +120,8 @@ def reconcile_deepspeed_config(config: dict, settings, num_processes: int) -> di
 def build_drafter(recipe: Recipe, target: Target, train_rows):
     cls = registry()[recipe.method]
     drafter = cls(recipe.drafter, target)
+    if hasattr(drafter, "data_is_target_greedy"):     # greedy regeneration: every reply token is the target's argmax
+        drafter.data_is_target_greedy = recipe.data.mode == "regenerate" and recipe.data.temperature == 0
     vocab_size = getattr(recipe.drafter, "draft_vocab_size", None)
     if vocab_size:
         from draftsmith.data.vocab import (
