@@ -54,6 +54,18 @@ def test_1_train_refuses_to_replace_a_trained_checkpoint(trained, capsys):
     assert (trained.checkpoint / "model.safetensors").read_bytes() == before
 
 
+def test_1_overwrite_trains_anew_and_that_run_resumes(trained, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained.run, run, ignore=shutil.ignore_patterns(".lock"))
+    argv = ["train", trained.recipe, f"output_dir={run}"]
+    assert run_cli(capsys, *argv, "overwrite=true", "train.max_steps=2")[0] == 0
+    assert json.loads((run / "checkpoint" / "state" / "progress.json").read_text())["step"] == 2
+    assert run_cli(capsys, *argv, "resume=true", "train.max_steps=4")[0] == 0     # overwrite is not a resume key
+    assert json.loads((run / "checkpoint" / "state" / "progress.json").read_text())["step"] == 4
+
+
 def test_2_step_and_epoch_counts_are_validated():
     base = {"method": "medusa"}
     for train, message in (({"max_steps": -1}, "train.max_steps must be >= 1, or null"),
