@@ -269,7 +269,8 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
             log.info("data.max_minutes: %d shards were in flight at the cap; their %d finished conversations are "
                      "kept as parts, and a rerun makes the rest", len(engine.inflight), engine.kept_parts)
     if deadline is not None and time.time() > deadline:
-        log.warning("data.max_minutes=%s reached: kept the finished shards; rerun to continue", settings.max_minutes)
+        log.warning("data.max_minutes=%s reached: every finished conversation is kept; rerun to continue",
+                    settings.max_minutes)
     bar.close()
     seconds = time.time() - start
     return finish(out_dir, settings, stats, counts, seconds)

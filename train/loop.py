@@ -29,6 +29,7 @@ from draftsmith.heads.target import Target, resolve_dtype
 
 from .batches import Batches, feature_layers, load_training_data
 from .checkpointing import guard_output, load_state, save_checkpoint
+from .schedule import warmup_cosine
 from .settings import Recipe
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
     clock = {"start": time.time(), "limit": recipe.train.max_minutes * 60 if recipe.train.max_minutes else None,
              "offset": 0.0}
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _warmup_cosine(recipe.train.warmup_steps, total_steps, clock))
+        optimizer, warmup_cosine(recipe.train.warmup_steps, total_steps, clock))
     model, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
 
     progress_state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "tokens": 0, "seconds": 0.0}
@@ -200,19 +201,6 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
     gc.collect()
     accelerator.end_training()
     return report
-
-
-def _warmup_cosine(warmup: int, total: int, clock: dict):
-    """Linear warmup, then cosine to zero.  Under train.max_minutes, progress is the larger of the step
-    fraction and the time fraction, so a time-capped run still anneals (its LR then depends on speed)."""
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total - warmup)
-        if clock["limit"]:
-            progress = max(progress, (clock["offset"] + time.time() - clock["start"]) / clock["limit"])
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return factor
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
