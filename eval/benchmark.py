@@ -256,8 +256,12 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
     run_modes(target, drafter, prompts[0][1][:32], dataclasses.replace(options, max_new_tokens=8), 0)
     costs = step_costs(target, drafter, prompts[0][1])
     prompts, sizing = fit_budget(prompts, options, costs["target_forward_ms"] / 1000, dtype)
-    results = []
+    results, started = [], time.perf_counter()
     for index, (prompt_id, prompt) in enumerate(prompts):
+        if over_budget(options, results, time.perf_counter() - started, dtype):
+            sizing += f"; stopped after {len(results)} prompts: they took longer than the measured forward implied"
+            prompts = prompts[:len(results)]
+            break
         timed = run_modes(target, drafter, prompt, options, options.seed + 2 * index)
         plain, spec = timed.plain_tokens, timed.speculative_tokens
         identical = plain == spec if options.temperature <= 0 else None
@@ -314,6 +318,17 @@ def measure_draft_step(target: Target, drafter, prompt: list[int], repeats: int 
         times.append(time.perf_counter() - t)
     levels = drafter.tree.depth if hasattr(drafter, "tree") and hasattr(drafter.tree, "depth") else 1
     return sorted(times)[len(times) // 2] / levels
+
+
+def over_budget(options: EvalOptions, results: list, elapsed: float, dtype) -> bool:
+    """Whether one more prompt (at the mean measured so far) and the fp32 exactness check would overrun
+    options.max_minutes: a noisy forward measurement must not stretch the run.  At least 3 prompts run."""
+    if not options.max_minutes or len(results) < 3:
+        return False
+    per_prompt = elapsed / len(results)
+    plain = sum(r.seconds["plain"] for r in results) / len(results)
+    exact = 0 if dtype == torch.float32 else 2 * min(options.exact_prompts, len(results) + 1) * plain * 1.5
+    return elapsed + per_prompt + exact > options.max_minutes * 60
 
 
 def fit_budget(prompts: list, options: EvalOptions, forward_seconds: float, dtype) -> tuple[list, str]:

@@ -320,3 +320,19 @@ def test_quickstart_keeps_an_earlier_checkpoint_aside(trained, tmp_path):
     aside = set_aside(run / "checkpoint")
     assert aside.name.startswith("checkpoint.replaced-") and (aside / "model.safetensors").is_file()
     assert not (run / "checkpoint").exists() and set_aside(run / "checkpoint") is None
+
+
+def test_the_eval_time_budget_stops_prompts_when_they_run_slower_than_measured():
+    """A noisy forward measurement sized too many prompts: the run stops when the next prompt and the
+    fp32 check would overrun eval.max_minutes, after at least 3 prompts."""
+    from types import SimpleNamespace
+
+    from draftsmith.eval.benchmark import over_budget
+    from draftsmith.eval.settings import EvalSettings
+
+    options = EvalSettings(max_minutes=1, exact_prompts=3)        # 60 s
+    done = [SimpleNamespace(seconds={"plain": 4.0})] * 3             # each prompt took 12 s in all modes
+    assert not over_budget(options, done[:2], 24.0, torch.bfloat16)  # fewer than 3: always go on
+    assert not over_budget(options, done, 12.0, torch.bfloat16)      # 12 + 4 + 2*3*4*1.5 = 52 <= 60
+    assert over_budget(options, done, 36.0, torch.bfloat16)          # 36 + 12 + 36 = 84 > 60
+    assert not over_budget(EvalSettings(), done, 1e9, torch.bfloat16)   # no budget, no cut
