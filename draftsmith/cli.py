@@ -73,10 +73,8 @@ def cmd_train(args) -> dict:
             "heldout_agreement": report.heldout_agreement, "heldout_simulated_tau": report.heldout_simulated_tau}
 
 
-EVAL_FLAGS = {"prompts": "prompts", "limit": "limit", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
-              "top_p": "top_p", "rule": "rule", "dtype": "dtype", "baselines": "baselines",
-              "exact_prompts": "exact_prompts", "seed": "seed", "cost_per_hour": "cost_per_hour", "target": "target",
-              "device": "device", "max_minutes": "max_minutes"}
+EVAL_KEYS = ("prompts", "limit", "max_new_tokens", "temperature", "top_p", "rule", "dtype", "baselines",
+             "exact_prompts", "seed", "cost_per_hour", "target", "device", "max_minutes")   # flag names = keys
 
 
 def eval_settings(args):
@@ -86,7 +84,7 @@ def eval_settings(args):
     from draftsmith.heads.config import config_from_dict
     from draftsmith.train.settings import apply_overrides
 
-    values = {key: getattr(args, flag) for flag, key in EVAL_FLAGS.items() if hasattr(args, flag)}
+    values = {key: getattr(args, key) for key in EVAL_KEYS if hasattr(args, key)}
     for flag, length in (("chain", "chain_length"), ("tree", "tree_size")):
         if hasattr(args, flag):
             values["proposal"] = flag

@@ -53,17 +53,7 @@ def coerce(value, annotation, where: str):
     if value is None:
         raise ConfigError(f"{where} must be {_name(annotation)}, got null")
     if origin in (list, tuple):
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where} must be a list, got {value!r}")
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ConfigError(f"{where} must have {len(args)} items, got {len(value)}: {value!r}")
-            return tuple(coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-        item = args[0] if args else typing.Any
-        items = [coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
+        return _sequence(value, origin, args, where)
     if origin is dict or annotation is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping, got {value!r}")
@@ -74,31 +64,43 @@ def coerce(value, annotation, where: str):
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
         raise ConfigError(f"{where} must be true or false, got {value!r}")
-    if annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-        raise ConfigError(f"{where} must be a whole number, got {value!r}")
-    if annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                pass
-        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if annotation in (int, float):
+        return _number(value, annotation, where)
     if annotation is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{where} must be a string, got {value!r}")
     return value
+
+
+def _sequence(value, origin, args, where: str):
+    """list[X], tuple[X, ...] or tuple[X, Y]; a comma-separated string is a list (command-line flags)."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where} must be a list, got {value!r}")
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(value) != len(args):
+            raise ConfigError(f"{where} must have {len(args)} items, got {len(value)}: {value!r}")
+        return tuple(coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    item = args[0] if args else typing.Any
+    items = [coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
+
+
+def _number(value, kind, where: str):
+    """An int (whole floats allowed) or a float; numeric strings (YAML reads 1e-4 as one) are parsed."""
+    if isinstance(value, str):
+        try:
+            value = kind(value.strip())
+        except ValueError:
+            pass
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if kind is float:
+            return float(value)
+        if isinstance(value, int) or value.is_integer():
+            return int(value)
+    raise ConfigError(f"{where} must be {_name(kind)}, got {value!r}")
 
 
 def _name(annotation) -> str:

@@ -99,8 +99,9 @@ def save_drafter(drafter, directory: Path, extra: dict | None = None, state: dic
     write_atomic(directory / CONFIG_FILE, json.dumps(config, indent=2))
 
 
-REQUIRED_KEYS = {"kind": None, "drafter": None,
-                 "target": ("name", "model_type", "vocab_size", "hidden_size", "num_layers", "weights_sha256")}
+REQUIRED_KEYS = {"kind": None, "drafter": None,      # target: the identity fields a checkpoint must have
+                 "target": tuple(k for k, f in TargetIdentity.__dataclass_fields__.items()
+                                 if f.default is dataclasses.MISSING)}
 
 
 def read_config(directory: Path) -> dict:

@@ -99,12 +99,13 @@ def describe_os_error(err: OSError) -> str:
     return f"{err.strerror or err}{where}"
 
 
-def _size(n: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} bytes"
+def _size(n: float) -> str:
+    unit = "bytes"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if n < 1024:
+            break
+        n, unit = n / 1024, bigger
+    return f"{n:.0f} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
@@ -118,7 +119,7 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
 
 
 def directory_lock_pid(directory: Path) -> int | None:
-    """The process id recorded in `directory`'s lock file, if any (see train/... lock users)."""
+    """The process id recorded in `directory`'s lock file (DirectoryLock), if any."""
     try:
         return int((directory / ".lock").read_text().strip() or 0) or None
     except (OSError, ValueError):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from draftsmith.heads.drafter import WEIGHTS_FILE, read_config, read_weights, save_drafter
-from draftsmith.heads.files import require_writable, swap_directory, write_atomic
+from draftsmith.heads.files import require_writable, swap_directory
 from draftsmith.heads.target import TargetIdentity
 
 from .settings import Recipe, RecipeError, save_recipe
@@ -65,8 +65,8 @@ def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimiz
         save_drafter(drafter, tmp, state=weights)
         save_recipe(recipe, tmp / "recipe.yaml")
         torch.save(optimizer.state_dict(), tmp / "state" / "optimizer.pt")
-        write_atomic(tmp / "state" / "scheduler.json", json.dumps(_scheduler_state(scheduler)))
-        write_atomic(tmp / "state" / "progress.json", json.dumps(progress))
+        (tmp / "state" / "scheduler.json").write_text(json.dumps(_scheduler_state(scheduler)))  # the directory
+        (tmp / "state" / "progress.json").write_text(json.dumps(progress))                    # is swapped in whole
     accelerator.wait_for_everyone()
     torch.save({"torch": rank_state["torch"], "python": _python_state(rank_state["python"])},
                tmp / "state" / f"rng-{accelerator.process_index}.pt")
