@@ -118,24 +118,25 @@ def configure_proposal(drafter, target: Target, options: EvalOptions) -> str:
 
 
 def block_cost(target: Target, sizes: list[int], context: int = 200, repeats: int = 5) -> dict[int, float]:
-    """Median seconds of one target forward over n new tokens after `context` cached tokens."""
+    """Median seconds of one target forward over n new tokens after `context` cached tokens.
+
+    The sizes are measured interleaved (every size once per repeat), so a slow spell of a shared
+    machine lands on all of them instead of making one size look dear."""
     cache = target.new_cache(1, context + max(sizes) + 1)
     ids = torch.randint(0, target.vocab_size, (1, context), device=target.device)
     target.forward_block(cache, ids, torch.arange(context, device=target.device)[None], logits="none")
-    costs = {}
-    for n in sizes:
-        times = []
-        for _ in range(repeats):
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
             block = torch.randint(0, target.vocab_size, (1, n), device=target.device)
             synchronize(target.device)
             t = time.perf_counter()
             target.forward_block(cache, block, torch.arange(context, context + n, device=target.device)[None],
                                  logits="all")
             synchronize(target.device)
-            times.append(time.perf_counter() - t)
+            times[n].append(time.perf_counter() - t)
             cache.truncate(context)
-        costs[n] = sorted(times)[len(times) // 2]
-    return costs
+    return {n: sorted(ts)[len(ts) // 2] for n, ts in times.items()}
 
 
 def tune_tree_size(drafter, target: Target) -> int:

@@ -99,33 +99,19 @@ def tiny_recipe(work: Path, target_dir: Path, method: str, device: str) -> Path:
     return path
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--skip-default", action="store_true", default=bool(os.environ.get("SKIP_DEFAULT")))
-    args = parser.parse_args()
-    missing = missing_packages()
-    if missing:
-        print(f"FAIL  packages missing: {missing}; bring their wheels (WHEELS=DIR bash scripts/gpu_check.sh)")
-        return 1
-    import torch
+def run(*argv) -> None:
+    """One draftsmith command through the real CLI."""
     from draftsmith.cli import main as cli
-    from draftsmith.heads.device import resolve_device
-    device = resolve_device(args.device)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    print(f"draftsmith GPU check: device {device}, {gpus} GPU(s) "
-          f"{torch.cuda.get_device_name(0) if gpus else ''}, torch {torch.__version__}", flush=True)
-    install_probes()
-    results: list[bool] = []
-    work = Path(tempfile.mkdtemp(prefix="draftsmith-gpu-check-"))
+    if cli([str(a) for a in argv]) != 0:
+        raise RuntimeError(f"draftsmith {' '.join(map(str, argv))} failed")
+
+
+def tiny_stages(work: Path, device, gpus: int, results: list) -> None:
+    """data, train, eval, export (and DDP when two GPUs are visible) on a tiny random Llama built here."""
     sys.path.insert(0, str(REPO / "tests"))
     from conftest import build_tiny_target
     target_dir = build_tiny_target(work / "tiny-llama", "llama", layers=4)
     recipes = {m: tiny_recipe(work, target_dir, m, str(device)) for m in ("medusa", "eagle3")}
-
-    def run(*argv):
-        if cli([str(a) for a in argv]) != 0:
-            raise RuntimeError(f"draftsmith {' '.join(map(str, argv))} failed")
 
     stage("tiny: data", lambda: run("data", recipes["eagle3"]), results)
     for method in ("medusa", "eagle3"):
@@ -163,6 +149,32 @@ def main() -> int:
         stage("tiny: DDP 2 processes", ddp, results)
     else:
         print("SKIP  tiny: DDP 2 processes      one GPU visible", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--skip-default", action="store_true", default=bool(os.environ.get("SKIP_DEFAULT")))
+    parser.add_argument("--skip-tiny", action="store_true", default=bool(os.environ.get("SKIP_TINY")),
+                        help="run only the default target's quickstart")
+    args = parser.parse_args()
+    missing = missing_packages()
+    if missing:
+        print(f"FAIL  packages missing: {missing}; bring their wheels (WHEELS=DIR bash scripts/gpu_check.sh)")
+        return 1
+    import torch
+    from draftsmith.heads.device import resolve_device
+    device = resolve_device(args.device)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    print(f"draftsmith GPU check: device {device}, {gpus} GPU(s) "
+          f"{torch.cuda.get_device_name(0) if gpus else ''}, torch {torch.__version__}", flush=True)
+    install_probes()
+    results: list[bool] = []
+    work = Path(tempfile.mkdtemp(prefix="draftsmith-gpu-check-"))
+    if args.skip_tiny:
+        print("SKIP  tiny: every stage          --skip-tiny", flush=True)
+    else:
+        tiny_stages(work, device, gpus, results)
     if args.skip_default:
         print("SKIP  default: quickstart        --skip-default", flush=True)
     else:
