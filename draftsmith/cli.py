@@ -162,6 +162,28 @@ def _quickstart(recipe, start: float) -> dict:
     return report.to_dict()
 
 
+def cmd_bench(args) -> dict:
+    """Speculation on and off, per category of the traffic, with a verdict and a report."""
+    from draftsmith.eval.bench import BenchSettings, bench
+    from draftsmith.eval.bench_report import markdown
+    from draftsmith.heads.drafter import read_config
+
+    settings = BenchSettings(traffic=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                             temperatures=tuple(args.temperature), repeats=args.repeats,
+                             cost_per_hour=args.cost_per_hour, seed=args.seed, dtype=args.dtype,
+                             device=args.device, target=args.target)
+    read_config(args.checkpoint)              # a damaged or missing checkpoint is named before anything loads
+    out = Path(args.out)
+    try:
+        report = bench(args.checkpoint, settings, out)
+    except KeyboardInterrupt:
+        print(f"interrupted: what was measured is in {out / 'report.md'} (marked incomplete)", file=sys.stderr)
+        raise
+    print(markdown(report))
+    print(f"wrote {out / 'report.md'}, {out / 'report.html'} and {out / 'report.json'}")
+    return report
+
+
 def cmd_export(args) -> dict:
     from draftsmith.heads.export import export
 
@@ -212,6 +234,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-minutes", default=S,
                    help="fit the timed runs into this budget (prompts, then tokens, cut from a measured forward cost)")
 
+    p = sub.add_parser("bench", help="speculation on or off? measured per category of your traffic, with a verdict",
+                       description="Every request runs with and without the drafter, interleaved, --repeats times; "
+                                   "the report (md, html with plots, json) gives TTFT, total time, tokens/s, cost, "
+                                   "acceptance and a verdict per category.")
+    p.add_argument("checkpoint")
+    p.add_argument("--prompts", default="mt-bench", help="mt-bench (default), humaneval, or FILE.jsonl (chats or "
+                   "prompts; optional 'category' and 'max_tokens' per line)")
+    p.add_argument("--limit", type=int, default=5, help="requests per category, sampled with --seed (default 5)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request unless a line says")
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more (default 0: greedy)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cost-per-hour", type=float, default=None, help="machine price per hour, for cost per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--target", default=None, help="target path (default: the one the checkpoint names)")
+    p.add_argument("--out", default="bench", help="report directory (default ./bench)")
+
     p = sub.add_parser("quickstart", help="data + training + evaluation on the embedded default target")
     p.add_argument("--recipe", default=QUICKSTART_RECIPE)
     p.add_argument("overrides", nargs="*", help="key=value or section.key=value")
@@ -227,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-VERBS = {"data": cmd_data, "train": cmd_train, "eval": cmd_eval, "quickstart": cmd_quickstart, "export": cmd_export}
+VERBS = {"data": cmd_data, "train": cmd_train, "eval": cmd_eval, "bench": cmd_bench, "quickstart": cmd_quickstart,
+         "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

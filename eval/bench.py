@@ -1,0 +1,342 @@
+"""`draftsmith bench`: should speculation be switched on for this traffic? Measured, per category.
+
+The traffic is a sample of requests: MT-bench (its eight categories), HumanEval (`code`) or the
+user's JSONL (chats or prompts, optional `category` and `max_tokens`). At most `limit` requests per
+category are drawn, seeded. Every request runs with and without the drafter, interleaved, `repeats`
+times (the order alternates between repeats, so a slow spell of the machine lands on both modes), at
+each temperature asked for. The engine is draftsmith's verifier at batch 1.
+
+Per category and temperature the report gives, before and after: time to first token and total time
+(p50, p90), output tokens/s per request and for the whole sample, cost per request, tau and
+per-position acceptance, and for greedy runs whether the text was identical. The speedup is
+sum(plain seconds) / sum(speculative seconds); its interval comes from a seeded bootstrap over the
+(request, repeat) pairs. The verdict: *switch on* when the whole interval is above 1, *switch off*
+when it is below 1, else *no measurable gain*.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftsmith.data import sources
+from draftsmith.data.chat import prompt_ids
+
+from . import metrics
+
+log = logging.getLogger(__name__)
+
+UNCATEGORIZED = "uncategorized"
+BOOTSTRAP_SAMPLES = 1000
+INTERVAL = (0.05, 0.95)          # the bootstrap interval's quantiles: a 90% interval
+
+
+class BenchError(ValueError):
+    """Bad bench settings or traffic."""
+
+
+@dataclass
+class Request:
+    id: str
+    category: str
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Traffic:
+    requests: list[Request]
+    available: dict[str, int]         # category -> requests in the source
+    skipped_without_prompt: int = 0   # JSONL lines with no prompt, messages or conversations
+
+
+@dataclass
+class Run:
+    """One request decoded once in one mode."""
+    request: str
+    category: str
+    temperature: float
+    repeat: int
+    mode: str                         # plain | speculative
+    seconds: float
+    first_token_seconds: float
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)
+
+
+def _record_max_tokens(record: dict, where: str, default: int) -> int:
+    value = record.get("max_tokens", default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise BenchError(f"{where}: max_tokens must be a whole number >= 1, got {value!r}")
+    return value
+
+
+def _jsonl_traffic(path: Path, max_tokens: int) -> tuple[list[tuple[str, str, list[dict], int]], int]:
+    """(id, category, messages, max_tokens) of every line with a prompt; lines without one are counted."""
+    if not path.is_file():
+        raise BenchError(f"traffic file '{path}' does not exist; give mt-bench, humaneval or a JSONL file")
+    stats, rows, skipped = sources.SourceStats(), [], 0
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise BenchError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno})") from None
+        if isinstance(record, dict) and not ({"prompt", "messages", "conversations"} & record.keys()):
+            skipped += 1
+            continue
+        try:
+            turns, rid, category = sources.record_turns(record, f"{path}:{number}")
+        except sources.DataError:
+            skipped += 1
+            continue
+        conv = sources.normalize(turns, rid if rid is not None else f"{path.stem}-{number}", stats, category)
+        if conv is None or not any(m["role"] == "user" for m in conv.messages):
+            skipped += 1
+            continue
+        limit = _record_max_tokens(record, f"{path}:{number}", max_tokens) if isinstance(record, dict) else max_tokens
+        rows.append((conv.id, conv.category or UNCATEGORIZED, conv.messages, limit))
+    return rows, skipped
+
+
+def load_traffic(tokenizer, source: str, limit: int, seed: int, max_tokens: int) -> Traffic:
+    """At most `limit` requests per category, drawn with `seed`; the first user turn is the request."""
+    if source in sources.PROMPT_SETS:
+        rows = [(c.id, c.category or ("code" if source == "humaneval" else UNCATEGORIZED), c.messages, max_tokens)
+                for c in sources.conversations(source)]
+        skipped = 0
+    else:
+        rows, skipped = _jsonl_traffic(Path(source).expanduser(), max_tokens)
+    if not rows:
+        raise BenchError(f"no requests in '{source}' ({skipped} lines without a prompt); each line needs a "
+                         "'prompt', 'messages' or 'conversations' field")
+    by_category: dict[str, list] = {}
+    for row in rows:
+        by_category.setdefault(row[1], []).append(row)
+    rng = random.Random(seed)
+    requests = []
+    for category in sorted(by_category):
+        chosen = list(by_category[category])
+        rng.shuffle(chosen)
+        for rid, _, messages, tokens in sorted(chosen[:limit], key=lambda r: r[0]):
+            first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+            requests.append(Request(rid, category, prompt_ids(tokenizer, messages[:first_user + 1]), tokens))
+    return Traffic(requests, {c: len(v) for c, v in by_category.items()}, skipped)
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Linear-interpolated quantile (q in [0, 1]) of a non-empty list."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def speedup_interval(pairs: list[tuple[float, float]], seed: int) -> tuple[float, float]:
+    """A bootstrap interval of sum(plain) / sum(speculative) over (plain s, speculative s) pairs."""
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(BOOTSTRAP_SAMPLES):
+        sample = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        ratios.append(sum(p for p, _ in sample) / sum(s for _, s in sample))
+    return quantile(ratios, INTERVAL[0]), quantile(ratios, INTERVAL[1])
+
+
+MIN_PAIRS = 4                    # fewer (request, repeat) pairs than this give no verdict
+
+
+def verdict(low: float, high: float, pairs: int = MIN_PAIRS) -> str:
+    """switch on / switch off / no measurable gain, from the speedup's interval."""
+    if pairs < MIN_PAIRS:
+        return f"no measurable gain: {pairs} runs per mode are too few to tell (at least {MIN_PAIRS})"
+    if low > 1.0:
+        return f"switch on: {low:.2f}x to {high:.2f}x faster"
+    if high < 1.0:
+        return f"switch off: {low:.2f}x to {high:.2f}x (slower)"
+    return f"no measurable gain: {low:.2f}x to {high:.2f}x"
+
+
+def summarize_group(runs: list[Run], cost_per_hour: float | None, positions: int, seed: int) -> dict:
+    """Every number of one (category, temperature) group; `runs` holds both modes."""
+    by_mode = {m: [r for r in runs if r.mode == m] for m in ("plain", "speculative")}
+    out: dict = {"requests": len({r.request for r in runs}), "runs_per_mode": len(by_mode["plain"])}
+    for mode, rs in by_mode.items():
+        seconds = [r.seconds for r in rs]
+        tokens = [len(r.tokens) for r in rs]
+        out[mode] = {
+            "ttft_p50_s": quantile([r.first_token_seconds for r in rs], 0.5),
+            "ttft_p90_s": quantile([r.first_token_seconds for r in rs], 0.9),
+            "total_p50_s": quantile(seconds, 0.5),
+            "total_p90_s": quantile(seconds, 0.9),
+            "tokens_per_s_per_request": sum(t / s for t, s in zip(tokens, seconds)) / len(rs),
+            "tokens_per_s_sample": sum(tokens) / sum(seconds),
+            "mean_output_tokens": sum(tokens) / len(rs),
+        }
+        if cost_per_hour:
+            out[mode]["cost_per_request"] = cost_per_hour / 3600 * sum(seconds) / len(rs)
+    spec = {(r.request, r.repeat): r for r in by_mode["speculative"]}
+    matched = [(p.seconds, spec[(p.request, p.repeat)].seconds, p.repeat)
+               for p in by_mode["plain"] if (p.request, p.repeat) in spec]
+    pairs = [(p, s) for p, s, _ in matched]
+    accepted = [a for r in by_mode["speculative"] for a in r.accepted]
+    low, high = speedup_interval(pairs, seed)
+    per_repeat: dict[int, list[float]] = {}
+    for plain_s, spec_s, repeat in matched:
+        totals = per_repeat.setdefault(repeat, [0.0, 0.0])
+        totals[0] += plain_s
+        totals[1] += spec_s
+    out.update({
+        "speedup": sum(p for p, _ in pairs) / sum(s for _, s in pairs),
+        "speedup_interval": [low, high],
+        "speedup_by_repeat": [p / s for p, s in per_repeat.values()],
+        "tau": metrics.tau(accepted),
+        "per_position_acceptance": metrics.per_position_acceptance(accepted, positions),
+        "verdict": verdict(low, high, len(pairs)),
+    })
+    if runs and runs[0].temperature <= 0:
+        plain_tokens = {(r.request, r.repeat): r.tokens for r in by_mode["plain"]}
+        same = [plain_tokens[k] == r.tokens for k, r in spec.items() if k in plain_tokens]
+        out["identical_text"] = sum(same) / len(same) if same else None
+    return out
+
+
+@dataclass
+class BenchSettings:
+    traffic: str = "mt-bench"
+    limit: int = 5
+    max_new_tokens: int = 128
+    temperatures: tuple[float, ...] = (0.0,)
+    repeats: int = 3
+    cost_per_hour: float | None = None
+    seed: int = 0
+    dtype: str = "auto"
+    device: str = "auto"
+    target: str | None = None
+
+    def __post_init__(self):
+        self.temperatures = tuple(float(t) for t in self.temperatures)
+        for name in ("limit", "max_new_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise BenchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if any(t < 0 for t in self.temperatures) or not self.temperatures:
+            raise BenchError(f"--temperature values must be >= 0 (0 is greedy), got {list(self.temperatures)}")
+        if self.cost_per_hour is not None and self.cost_per_hour <= 0:
+            raise BenchError(f"--cost-per-hour must be > 0 (the machine's price per hour), got {self.cost_per_hour}")
+
+
+def sweep(target, drafter, traffic: Traffic, settings: BenchSettings, progress=None) -> tuple[list[Run], bool]:
+    """Every request, both modes, every temperature and repeat. Returns (runs, complete): Ctrl-C stops
+    the sweep, keeping every request whose two modes both finished in the interrupted repeat."""
+    from .verifier import decode
+
+    runs: list[Run] = []
+    try:
+        for repeat in range(settings.repeats):
+            for temperature in settings.temperatures:
+                for index, request in enumerate(traffic.requests):
+                    order = ("plain", "speculative") if (repeat + index) % 2 == 0 else ("speculative", "plain")
+                    pair = []
+                    for mode in order:
+                        seed = settings.seed + 1000 * repeat + index
+                        gen = torch.Generator(device=target.device).manual_seed(seed)
+                        result = decode(target, request.prompt, request.max_tokens,
+                                        drafter if mode == "speculative" else None, temperature, generator=gen)
+                        pair.append(Run(request.id, request.category, temperature, repeat, mode, result.seconds,
+                                        result.first_token_seconds, result.tokens, result.accepted))
+                        if progress is not None:
+                            progress.update(1)
+                    runs.extend(pair)
+    except KeyboardInterrupt:
+        return runs, False
+    return runs, True
+
+
+def summarize(runs: list[Run], traffic: Traffic, settings: BenchSettings, positions: int) -> dict:
+    """{temperature: {category (and 'all'): group summary}} plus the overall recommendation."""
+    results: dict = {}
+    for temperature in settings.temperatures:
+        at_t = [r for r in runs if r.temperature == temperature]
+        groups = {}
+        for category in sorted({r.category for r in at_t}):
+            in_group = [r for r in at_t if r.category == category]
+            if any(r.mode == "speculative" for r in in_group) and any(r.mode == "plain" for r in in_group):
+                groups[category] = summarize_group(in_group, settings.cost_per_hour, positions, settings.seed)
+        if groups:
+            groups["all"] = summarize_group(at_t, settings.cost_per_hour, positions, settings.seed)
+        results[f"{temperature:g}"] = groups
+    return results
+
+
+def recommendation(results: dict) -> str:
+    """One line: where speculation pays, at the load measured (batch 1)."""
+    lines = []
+    for temperature, groups in results.items():
+        if "all" not in groups:
+            continue
+        on = [c for c, g in groups.items() if c != "all" and g["verdict"].startswith("switch on")]
+        off = [c for c, g in groups.items() if c != "all" and g["verdict"].startswith("switch off")]
+        overall = groups["all"]["verdict"].split(":")[0]
+        lines.append(f"temperature {temperature}, concurrency 1: {overall} overall ({groups['all']['speedup']:.2f}x)"
+                     + (f"; on for {', '.join(on)}" if on else "") + (f"; off for {', '.join(off)}" if off else ""))
+    return "; ".join(lines) if lines else "nothing measured"
+
+
+def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_progress: bool = True) -> dict:
+    """Load, sweep, summarise, write report.json / report.md / report.html (+ PNG plots) to out_dir."""
+    from draftsmith.heads.device import resolve_device
+    from draftsmith.heads.drafter import load_drafter, read_config
+    from draftsmith.heads.files import require_writable
+    from draftsmith.heads.target import Target, resolve_dtype
+
+    from .benchmark import configure_proposal
+    from .bench_report import write_reports
+    from .settings import EvalSettings
+
+    out_dir = Path(out_dir).expanduser()
+    require_writable(out_dir.resolve(), "--out")
+    started = time.time()
+    config = read_config(checkpoint)
+    target_path = settings.target or config.get("target_source") or config["target"]["name"]
+    device = resolve_device(settings.device)
+    target = Target.load(target_path, resolve_dtype(settings.dtype, device), device)
+    drafter = load_drafter(checkpoint, target).to(target.dtype)
+    proposal = configure_proposal(drafter, target, EvalSettings(device=str(device)))
+    traffic = load_traffic(target.tokenizer, settings.traffic, settings.limit, settings.seed, settings.max_new_tokens)
+    # warm-up: both modes once, untimed
+    from .verifier import decode
+    decode(target, traffic.requests[0].prompt, 8)
+    decode(target, traffic.requests[0].prompt, 8, drafter)
+    total = 2 * len(traffic.requests) * settings.repeats * len(settings.temperatures)
+    progress = None
+    if show_progress:
+        from tqdm import tqdm
+        progress = tqdm(total=total, desc="bench", unit="run")
+    runs, complete = sweep(target, drafter, traffic, settings, progress)
+    if progress is not None:
+        progress.close()
+    positions = max((max(r.accepted) for r in runs if r.accepted), default=0) or 1
+    results = summarize(runs, traffic, settings, positions)
+    report = {
+        "checkpoint": str(checkpoint), "kind": config.get("kind"), "target": target.name, "device": str(device),
+        "dtype": target.precision, "proposal": proposal, "engine": "draftsmith (batch 1)", "concurrency": [1],
+        "settings": dataclasses.asdict(settings), "complete": complete,
+        "traffic": {"source": settings.traffic, "available": traffic.available,
+                    "sampled": {c: sum(r.category == c for r in traffic.requests) for c in traffic.available},
+                    "skipped_without_prompt": traffic.skipped_without_prompt},
+        "results": results, "recommendation": recommendation(results),
+        "interval": f"{round((INTERVAL[1] - INTERVAL[0]) * 100)}% bootstrap over (request, repeat) pairs",
+        "seconds": time.time() - started,
+        "runs": [dataclasses.asdict(r) for r in runs],
+    }
+    write_reports(report, out_dir)
+    if not complete:
+        raise KeyboardInterrupt
+    return report

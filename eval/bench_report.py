@@ -1,0 +1,158 @@
+"""`draftsmith bench`'s report: report.json (every number), report.md, a self-contained report.html
+(its plots embedded), and the plots as PNG files beside them."""
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+
+from draftsmith.heads.files import write_atomic
+
+PLOTS = ("speedup.png", "latency.png", "acceptance.png")
+COLUMNS = ["category", "requests", "speedup (interval)", "verdict", "TTFT p50 before → after",
+           "total p50 / p90 before → after (s)", "tokens/s before → after", "tau", "identical text", "cost/request"]
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms"
+
+
+def table_rows(groups: dict) -> list[list[str]]:
+    rows = []
+    for category, g in groups.items():
+        p, s = g["plain"], g["speculative"]
+        low, high = g["speedup_interval"]
+        identical = g.get("identical_text")
+        cost = (f"{p['cost_per_request']:.6f} → {s['cost_per_request']:.6f}" if "cost_per_request" in p else "")
+        rows.append([
+            f"**{category}**" if category == "all" else category, str(g["requests"]),
+            f"{g['speedup']:.2f}x ({low:.2f}-{high:.2f})", g["verdict"].split(":")[0],
+            f"{_ms(p['ttft_p50_s'])} → {_ms(s['ttft_p50_s'])}",
+            f"{p['total_p50_s']:.2f} / {p['total_p90_s']:.2f} → {s['total_p50_s']:.2f} / {s['total_p90_s']:.2f}",
+            f"{p['tokens_per_s_per_request']:.1f} → {s['tokens_per_s_per_request']:.1f}",
+            f"{g['tau']:.2f}", "" if identical is None else f"{identical:.0%}", cost,
+        ])
+    return rows
+
+
+def header_lines(report: dict) -> list[str]:
+    settings, traffic = report["settings"], report["traffic"]
+    sampled = ", ".join(f"{c} {n}/{traffic['available'][c]}" for c, n in traffic["sampled"].items())
+    lines = [
+        f"{report['kind']} drafter on {report['target']} ({report['dtype']}, {report['device']}), proposal "
+        f"{report['proposal']}; engine {report['engine']}",
+        f"traffic {traffic['source']}: requests per category sampled/available: {sampled}"
+        + (f"; lines without a prompt skipped: {traffic['skipped_without_prompt']}"
+           if traffic["skipped_without_prompt"] else ""),
+        f"{settings['repeats']} repeats, with and without the drafter interleaved; up to {settings['max_new_tokens']} "
+        f"new tokens; speedup = plain seconds / speculative seconds, interval: {report['interval']}; "
+        f"{report['seconds'] / 60:.1f} min",
+    ]
+    if not report["complete"]:
+        lines.insert(0, "INCOMPLETE: interrupted; this report holds what was measured before the interruption")
+    return lines
+
+
+def markdown(report: dict, plots: list[str] = ()) -> str:
+    lines = [f"# draftsmith bench: {report['checkpoint']}", ""] + [f"- {line}" for line in header_lines(report)]
+    lines += ["", f"**Recommendation:** {report['recommendation']}", ""]
+    for temperature, groups in report["results"].items():
+        lines += [f"## temperature {temperature}, concurrency 1", "", "| " + " | ".join(COLUMNS) + " |",
+                  "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(row) + " |" for row in table_rows(groups)]
+        if "all" in groups:
+            lines += ["", "per-position acceptance (all): "
+                      + " ".join(f"{a:.2f}" for a in groups["all"]["per_position_acceptance"])]
+        lines.append("")
+    lines += [f"![{name}]({name})" for name in plots]
+    return "\n".join(lines) + "\n"
+
+
+def html_page(report: dict, images: dict[str, bytes]) -> str:
+    esc = html.escape
+    parts = [f"<!doctype html><meta charset='utf-8'><title>draftsmith bench</title>"
+             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style>",
+             f"<h1>draftsmith bench: {esc(report['checkpoint'])}</h1><ul>"]
+    parts += [f"<li>{esc(line)}</li>" for line in header_lines(report)]
+    parts.append(f"</ul><p><b>Recommendation:</b> {esc(report['recommendation'])}</p>")
+    for temperature, groups in report["results"].items():
+        parts.append(f"<h2>temperature {esc(temperature)}, concurrency 1</h2><table><tr>"
+                     + "".join(f"<th>{esc(c)}</th>" for c in COLUMNS) + "</tr>")
+        for row in table_rows(groups):
+            parts.append("<tr>" + "".join(f"<td>{esc(cell.strip('*'))}</td>" for cell in row) + "</tr>")
+        parts.append("</table>")
+    for name, data in images.items():
+        parts.append(f"<p><img alt='{esc(name)}' src='data:image/png;base64,{base64.b64encode(data).decode()}'></p>")
+    return "\n".join(parts)
+
+
+def plot(report: dict, out_dir: Path) -> list[str]:
+    """speedup by category (with intervals), TTFT and total time before and after, acceptance per position."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    results = {t: g for t, g in report["results"].items() if g}
+    if not results:
+        return written
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(results)
+    for k, (temperature, groups) in enumerate(results.items()):
+        names = list(groups)
+        speed = [groups[c]["speedup"] for c in names]
+        err = [[s - groups[c]["speedup_interval"][0] for c, s in zip(names, speed)],
+               [groups[c]["speedup_interval"][1] - s for c, s in zip(names, speed)]]
+        ax.bar([i + k * width for i in range(len(names))], speed, width, yerr=err, capsize=3,
+               label=f"temperature {temperature}")
+        ax.set_xticks([i + width * (len(results) - 1) / 2 for i in range(len(names))], names, rotation=30, ha="right")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_ylabel("speedup (plain s / speculative s)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / PLOTS[0], dpi=100)
+    written.append(PLOTS[0])
+    plt.close(fig)
+
+    temperature, groups = next(iter(results.items()))
+    names = list(groups)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "ttft_p50_s", "time to first token p50 (s)"),
+                           (axes[1], "total_p50_s", "total time p50 (s)")):
+        for k, mode in enumerate(("plain", "speculative")):
+            ax.bar([i + k * 0.4 for i in range(len(names))], [groups[c][mode][key] for c in names], 0.4,
+                   label="before (plain)" if mode == "plain" else "after (speculative)")
+        ax.set_xticks([i + 0.2 for i in range(len(names))], names, rotation=30, ha="right")
+        ax.set_ylabel(label)
+    axes[0].legend()
+    fig.suptitle(f"temperature {temperature}, concurrency 1")
+    fig.tight_layout()
+    fig.savefig(out_dir / PLOTS[1], dpi=100)
+    written.append(PLOTS[1])
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for category, g in groups.items():
+        rates = g["per_position_acceptance"]
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=category,
+                linewidth=2.5 if category == "all" else 1)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance (fraction of steps)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / PLOTS[2], dpi=100)
+    written.append(PLOTS[2])
+    plt.close(fig)
+    return written
+
+
+def write_reports(report: dict, out_dir: str | Path) -> None:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(out_dir / "report.json", json.dumps(report, indent=1))
+    plots = plot(report, out_dir)
+    write_atomic(out_dir / "report.md", markdown(report, plots))
+    write_atomic(out_dir / "report.html", html_page(report, {n: (out_dir / n).read_bytes() for n in plots}))

@@ -1,0 +1,140 @@
+"""`draftsmith bench`: the report on a tiny model through the real CLI, the verdict on synthetic timings
+whose answer is known, bad input, and Ctrl-C keeping what was measured."""
+import json
+
+import pytest
+import yaml
+from draftsmith.cli import main
+from draftsmith.eval.bench import Run, summarize_group, verdict
+from test_data import chats_file
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_target_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("bench")
+    recipe = {
+        "method": "medusa", "output_dir": str(work / "run"), "seed": 0,
+        "target": {"path": str(tiny_target_dir), "dtype": "float32", "device": "cpu"},
+        "data": {"source": str(chats_file(work / "chats.jsonl", 24)), "max_conversations": None, "batch_size": 8,
+                 "max_new_tokens": 12},
+        "drafter": {"num_heads": 2, "lm_head": "shared", "draft_vocab_size": 64},
+        "train": {"epochs": 1, "batch_size": 4, "warmup_steps": 1, "mixed_precision": "no", "eval_prompts": 0,
+                  "heldout_fraction": 0.2},
+    }
+    path = work / "recipe.yaml"
+    path.write_text("# draftsmith train recipe.yaml\n" + yaml.safe_dump(recipe))
+    assert main(["train", str(path)]) == 0
+    return work / "run" / "checkpoint"
+
+
+def traffic_file(path):
+    lines = [{"id": f"code-{i}", "category": "code", "prompt": f"def f{i}(x): return the"} for i in range(3)]
+    lines += [{"id": f"chat-{i}", "category": "chat", "messages": [{"role": "user", "content": f"the day {i}"}]}
+              for i in range(2)]
+    lines += [{"id": "short", "prompt": "of the water", "max_tokens": 3},     # no category: uncategorized
+              {"id": "nothing", "text": "a line without a prompt"}]
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    return path
+
+
+def test_bench_reports_every_category_with_plots_and_a_verdict(checkpoint, tmp_path, capsys):
+    out = tmp_path / "report"
+    argv = ["bench", str(checkpoint), "--prompts", str(traffic_file(tmp_path / "traffic.jsonl")), "--limit", "2",
+            "--repeats", "2", "--max-new-tokens", "8", "--cost-per-hour", "3.6", "--dtype", "float32",
+            "--device", "cpu", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["complete"] is True
+    assert report["traffic"]["available"] == {"chat": 2, "code": 3, "uncategorized": 1}
+    assert report["traffic"]["sampled"] == {"chat": 2, "code": 2, "uncategorized": 1}
+    assert report["traffic"]["skipped_without_prompt"] == 1
+    groups = report["results"]["0"]
+    assert set(groups) == {"chat", "code", "uncategorized", "all"}
+    for name, group in groups.items():
+        assert group["runs_per_mode"] == group["requests"] * 2, name
+        assert group["verdict"].split(":")[0] in ("switch on", "switch off", "no measurable gain")
+        low, high = group["speedup_interval"]
+        assert low <= group["speedup"] <= high or low == high
+        assert group["identical_text"] == 1.0          # fp32 greedy: the same text with and without the drafter
+        assert group["plain"]["cost_per_request"] == pytest.approx(
+            3.6 / 3600 * sum(r["seconds"] for r in report["runs"] if r["mode"] == "plain" and
+                             (name == "all" or r["category"] == name)) / group["runs_per_mode"])
+    # a request's own max_tokens holds
+    assert all(len(r["tokens"]) <= 3 for r in report["runs"] if r["request"] == "short")
+    assert max(len(r["tokens"]) for r in report["runs"]) <= 8
+    for name in ("speedup.png", "latency.png", "acceptance.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 3 and "Recommendation" in page
+    md = (out / "report.md").read_text()
+    assert "| code |" in md and "![speedup.png](speedup.png)" in md
+    assert "Recommendation" in capsys.readouterr().out
+
+
+def _runs(category, plain, spec, temperature=0.0):
+    """Runs whose plain and speculative seconds are given per (request, repeat)."""
+    runs = []
+    for i, (p, s) in enumerate(zip(plain, spec)):
+        request, repeat = f"r{i % 4}", i // 4
+        runs.append(Run(request, category, temperature, repeat, "plain", p, p / 10, [1] * 10))
+        runs.append(Run(request, category, temperature, repeat, "speculative", s, s / 10, [1] * 10, [1, 0, 2]))
+    return runs
+
+
+@pytest.mark.parametrize("plain, spec, expected", [
+    ([1.0, 1.1, 0.9, 1.0] * 2, [0.5, 0.55, 0.45, 0.52] * 2, "switch on"),
+    ([1.0, 1.1, 0.9, 1.0] * 2, [2.0, 2.1, 1.9, 2.2] * 2, "switch off"),
+    ([1.0, 1.0, 1.0, 1.0] * 2, [0.7, 1.3, 0.7, 1.3, 1.3, 0.7, 1.3, 0.7], "no measurable gain"),
+])
+def test_the_verdict_follows_the_speedup_interval(plain, spec, expected):
+    group = summarize_group(_runs("c", plain, spec), cost_per_hour=None, positions=3, seed=0)
+    assert group["verdict"].startswith(expected), group
+    assert group["speedup"] == pytest.approx(sum(plain) / sum(spec))
+    assert group["tau"] == pytest.approx(2.0)            # accepted [1, 0, 2] per run: (2 + 1 + 3) / 3
+    assert group["per_position_acceptance"] == pytest.approx([2 / 3, 1 / 3, 0.0])
+    assert verdict(1.01, 1.2).startswith("switch on") and verdict(0.8, 0.99).startswith("switch off")
+    assert verdict(0.99, 1.01).startswith("no measurable gain")
+    assert verdict(1.5, 2.0, pairs=3).startswith("no measurable gain: 3 runs per mode are too few")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--limit", "0"], "--limit must be >= 1"),
+    (["--cost-per-hour", "-1"], "--cost-per-hour must be > 0"),
+    (["--temperature", "-0.5"], "--temperature values must be >= 0"),
+])
+def test_bad_bench_settings_are_one_clear_line(checkpoint, tmp_path, capsys, flags, message):
+    assert main(["bench", str(checkpoint), "--out", str(tmp_path / "r")] + flags) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_traffic_is_named(checkpoint, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "the day", "max_tokens": 0}))
+    assert main(["bench", str(checkpoint), "--prompts", str(bad), "--device", "cpu", "--out", str(tmp_path / "r")]) == 2
+    assert f"{bad}:1: max_tokens must be a whole number >= 1, got 0" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"text": "no prompt"}))
+    assert main(["bench", str(checkpoint), "--prompts", str(empty), "--device", "cpu", "--out", str(tmp_path / "r")]) == 2
+    assert "no requests in" in capsys.readouterr().err
+
+
+def test_ctrl_c_writes_what_was_measured_marked_incomplete(checkpoint, tmp_path, monkeypatch, capsys):
+    from draftsmith.eval import verifier
+    calls = {"n": 0}
+    original = verifier.decode
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 2 + 5:           # the 2 warm-up runs, then 2 full pairs and half of a third
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+    monkeypatch.setattr(verifier, "decode", interrupted)
+    out = tmp_path / "report"
+    argv = ["bench", str(checkpoint), "--prompts", str(traffic_file(tmp_path / "t.jsonl")), "--repeats", "1",
+            "--max-new-tokens", "4", "--dtype", "float32", "--device", "cpu", "--out", str(out)]
+    assert main(argv) == 130
+    report = json.loads((out / "report.json").read_text())
+    assert report["complete"] is False and len(report["runs"]) == 4      # the half pair is not kept
+    assert (out / "report.md").read_text().count("INCOMPLETE") == 1
+    assert "marked incomplete" in capsys.readouterr().err
