@@ -8,9 +8,10 @@ each temperature asked for. The engine is draftsmith's verifier at batch 1.
 
 Per category and temperature the report gives, before and after: time to first token and total time
 (p50, p90), output tokens/s per request and for the whole sample, cost per request, tau and
-per-position acceptance, and for greedy runs whether the text was identical. The speedup is
-sum(plain seconds) / sum(speculative seconds); its interval comes from a seeded bootstrap over the
-(request, repeat) pairs. The verdict: *switch on* when the whole interval is above 1, *switch off*
+per-position acceptance, and for greedy runs whether the text was identical. The speedup is the
+one of docs/metrics.md: plain seconds per generated token / speculative seconds per generated token,
+over the group's runs (sampled replies differ in length between the modes); its interval comes from
+a seeded bootstrap over the (request, repeat) pairs. The verdict: *switch on* when the whole interval is above 1, *switch off*
 when it is below 1, else *no measurable gain*.
 """
 from __future__ import annotations
@@ -140,13 +141,17 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def speedup_interval(pairs: list[tuple[float, float]], seed: int) -> tuple[float, float]:
-    """A bootstrap interval of sum(plain) / sum(speculative) over (plain s, speculative s) pairs."""
+def pooled_speedup(pairs: list[tuple[float, int, float, int]]) -> float:
+    """(plain seconds per token) / (speculative seconds per token) over (plain s, tokens, spec s, tokens)."""
+    plain = sum(p[0] for p in pairs) / max(1, sum(p[1] for p in pairs))
+    spec = sum(p[2] for p in pairs) / max(1, sum(p[3] for p in pairs))
+    return plain / spec
+
+
+def speedup_interval(pairs: list[tuple[float, int, float, int]], seed: int) -> tuple[float, float]:
+    """A seeded bootstrap interval of the pooled speedup, resampling (request, repeat) pairs."""
     rng = random.Random(seed)
-    ratios = []
-    for _ in range(BOOTSTRAP_SAMPLES):
-        sample = [pairs[rng.randrange(len(pairs))] for _ in pairs]
-        ratios.append(sum(p for p, _ in sample) / sum(s for _, s in sample))
+    ratios = [pooled_speedup([pairs[rng.randrange(len(pairs))] for _ in pairs]) for _ in range(BOOTSTRAP_SAMPLES)]
     return quantile(ratios, INTERVAL[0]), quantile(ratios, INTERVAL[1])
 
 
@@ -183,20 +188,19 @@ def summarize_group(runs: list[Run], cost_per_hour: float | None, positions: int
         if cost_per_hour:
             out[mode]["cost_per_request"] = cost_per_hour / 3600 * sum(seconds) / len(rs)
     spec = {(r.request, r.repeat): r for r in by_mode["speculative"]}
-    matched = [(p.seconds, spec[(p.request, p.repeat)].seconds, p.repeat)
-               for p in by_mode["plain"] if (p.request, p.repeat) in spec]
-    pairs = [(p, s) for p, s, _ in matched]
+    pairs, repeats = [], []
+    for p in by_mode["plain"]:
+        if (p.request, p.repeat) in spec:
+            s = spec[(p.request, p.repeat)]
+            pairs.append((p.seconds, len(p.tokens), s.seconds, len(s.tokens)))
+            repeats.append(p.repeat)
     accepted = [a for r in by_mode["speculative"] for a in r.accepted]
     low, high = speedup_interval(pairs, seed)
-    per_repeat: dict[int, list[float]] = {}
-    for plain_s, spec_s, repeat in matched:
-        totals = per_repeat.setdefault(repeat, [0.0, 0.0])
-        totals[0] += plain_s
-        totals[1] += spec_s
     out.update({
-        "speedup": sum(p for p, _ in pairs) / sum(s for _, s in pairs),
+        "speedup": pooled_speedup(pairs),
         "speedup_interval": [low, high],
-        "speedup_by_repeat": [p / s for p, s in per_repeat.values()],
+        "speedup_by_repeat": [pooled_speedup([p for p, k in zip(pairs, repeats) if k == repeat])
+                              for repeat in sorted(set(repeats))],
         "tau": metrics.tau(accepted),
         "per_position_acceptance": metrics.per_position_acceptance(accepted, positions),
         "verdict": verdict(low, high, len(pairs)),

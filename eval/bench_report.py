@@ -46,7 +46,7 @@ def header_lines(report: dict) -> list[str]:
         + (f"; lines without a prompt skipped: {traffic['skipped_without_prompt']}"
            if traffic["skipped_without_prompt"] else ""),
         f"{settings['repeats']} repeats, with and without the drafter interleaved; up to {settings['max_new_tokens']} "
-        f"new tokens; speedup = plain seconds / speculative seconds, interval: {report['interval']}; "
+        f"new tokens; speedup = plain s per token / speculative s per token, interval: {report['interval']}; "
         f"{report['seconds'] / 60:.1f} min",
     ]
     if not report["complete"]:
@@ -109,7 +109,7 @@ def plot(report: dict, out_dir: Path) -> list[str]:
                label=f"temperature {temperature}")
         ax.set_xticks([i + width * (len(results) - 1) / 2 for i in range(len(names))], names, rotation=30, ha="right")
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_ylabel("speedup (plain s / speculative s)")
+    ax.set_ylabel("speedup (plain / speculative s per token)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out_dir / PLOTS[0], dpi=100)

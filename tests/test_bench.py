@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 from draftsmith.cli import main
-from draftsmith.eval.bench import Run, summarize_group, verdict
+from draftsmith.eval.bench import Run, pooled_speedup, summarize_group, verdict
 from test_data import chats_file
 
 
@@ -92,6 +92,8 @@ def test_the_verdict_follows_the_speedup_interval(plain, spec, expected):
     assert group["speedup"] == pytest.approx(sum(plain) / sum(spec))
     assert group["tau"] == pytest.approx(2.0)            # accepted [1, 0, 2] per run: (2 + 1 + 3) / 3
     assert group["per_position_acceptance"] == pytest.approx([2 / 3, 1 / 3, 0.0])
+    # sampled replies differ in length: the speedup is per generated token, as docs/metrics.md defines it
+    assert pooled_speedup([(1.0, 10, 1.0, 20), (2.0, 10, 1.0, 10)]) == pytest.approx((3.0 / 20) / (2.0 / 30))
     assert verdict(1.01, 1.2).startswith("switch on") and verdict(0.8, 0.99).startswith("switch off")
     assert verdict(0.99, 1.01).startswith("no measurable gain")
     assert verdict(1.5, 2.0, pairs=3).startswith("no measurable gain: 3 runs per mode are too few")
