@@ -164,14 +164,19 @@ def _quickstart(recipe, start: float) -> dict:
 
 def cmd_bench(args) -> dict:
     """Speculation on and off, per category of the traffic, with a verdict and a report."""
-    from draftsmith.eval.bench import BenchSettings, bench
+    from draftsmith.eval.bench import BenchError, BenchSettings, bench
     from draftsmith.eval.bench_report import markdown
     from draftsmith.heads.drafter import read_config
 
+    try:
+        concurrency = tuple(int(c) for part in args.concurrency for c in part.split(",") if c.strip())
+    except ValueError:
+        raise BenchError(f"--concurrency takes whole numbers, e.g. 1,4,16; got {' '.join(args.concurrency)}") from None
     settings = BenchSettings(traffic=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
                              temperatures=tuple(args.temperature), repeats=args.repeats,
                              cost_per_hour=args.cost_per_hour, seed=args.seed, dtype=args.dtype,
-                             device=args.device, target=args.target)
+                             device=args.device, target=args.target, engine=args.engine, concurrency=concurrency,
+                             vllm_python=args.vllm_python, num_speculative_tokens=args.num_speculative_tokens)
     read_config(args.checkpoint)              # a damaged or missing checkpoint is named before anything loads
     out = Path(args.out)
     try:
@@ -251,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--target", default=None, help="target path (default: the one the checkpoint names)")
     p.add_argument("--out", default="bench", help="report directory (default ./bench)")
+    p.add_argument("--engine", default="draftsmith", help="draftsmith (its verifier, batch 1) or vllm (your serving "
+                   "stack: the checkpoint is exported and served with and without the drafter)")
+    p.add_argument("--concurrency", nargs="+", default=["1"], help="requests in flight, e.g. 1,4,16 (vllm engine)")
+    p.add_argument("--vllm-python", default=None, help="the vLLM environment's python (default: "
+                   "$DRAFTSMITH_VLLM_PYTHON, else ./.venv-vllm/bin/python)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step (vllm engine)")
 
     p = sub.add_parser("quickstart", help="data + training + evaluation on the embedded default target")
     p.add_argument("--recipe", default=QUICKSTART_RECIPE)

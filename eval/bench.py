@@ -34,6 +34,7 @@ from . import metrics
 log = logging.getLogger(__name__)
 
 UNCATEGORIZED = "uncategorized"
+ENGINES = ("draftsmith", "vllm")
 BOOTSTRAP_SAMPLES = 1000
 INTERVAL = (0.05, 0.95)          # the bootstrap interval's quantiles: a 90% interval
 
@@ -69,6 +70,7 @@ class Run:
     first_token_seconds: float
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)
+    concurrency: int = 1
 
 
 def _record_max_tokens(record: dict, where: str, default: int) -> int:
@@ -224,9 +226,23 @@ class BenchSettings:
     dtype: str = "auto"
     device: str = "auto"
     target: str | None = None
+    engine: str = "draftsmith"
+    concurrency: tuple[int, ...] = (1,)
+    vllm_python: str | None = None
+    num_speculative_tokens: int = 3
 
     def __post_init__(self):
         self.temperatures = tuple(float(t) for t in self.temperatures)
+        self.concurrency = tuple(int(c) for c in self.concurrency)
+        if self.engine not in ENGINES:
+            raise BenchError(f"--engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise BenchError(f"--concurrency values must be >= 1 (requests in flight), got {list(self.concurrency)}")
+        if self.engine == "draftsmith" and self.concurrency != (1,):
+            raise BenchError("the draftsmith engine serves one request at a time: --concurrency above 1 needs "
+                             "--engine vllm")
+        if self.num_speculative_tokens < 1:
+            raise BenchError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
         for name in ("limit", "max_new_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise BenchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -263,75 +279,93 @@ def sweep(target, drafter, traffic: Traffic, settings: BenchSettings, progress=N
     return runs, True
 
 
-def summarize(runs: list[Run], traffic: Traffic, settings: BenchSettings, positions: int) -> dict:
-    """{temperature: {category (and 'all'): group summary}} plus the overall recommendation."""
-    results: dict = {}
+def summarize(runs: list[Run], settings: BenchSettings, positions: int, counters: dict | None = None) -> list[dict]:
+    """One entry per (temperature, concurrency): {temperature, concurrency, groups: {category and 'all'}}.
+
+    counters: {(temperature, concurrency): (tau, per-position acceptance)} from a serving engine, which
+    counts acceptance per load level, not per request; they replace the 'all' group's figures."""
+    results = []
     for temperature in settings.temperatures:
-        at_t = [r for r in runs if r.temperature == temperature]
-        groups = {}
-        for category in sorted({r.category for r in at_t}):
-            in_group = [r for r in at_t if r.category == category]
-            if any(r.mode == "speculative" for r in in_group) and any(r.mode == "plain" for r in in_group):
-                groups[category] = summarize_group(in_group, settings.cost_per_hour, positions, settings.seed)
-        if groups:
-            groups["all"] = summarize_group(at_t, settings.cost_per_hour, positions, settings.seed)
-        results[f"{temperature:g}"] = groups
+        for concurrency in settings.concurrency:
+            level = [r for r in runs if r.temperature == temperature and r.concurrency == concurrency]
+            groups = {}
+            for category in sorted({r.category for r in level}):
+                in_group = [r for r in level if r.category == category]
+                if {"plain", "speculative"} <= {r.mode for r in in_group}:
+                    groups[category] = summarize_group(in_group, settings.cost_per_hour, positions, settings.seed)
+            if groups:
+                groups["all"] = summarize_group(level, settings.cost_per_hour, positions, settings.seed)
+                if counters is not None:
+                    for name, group in groups.items():
+                        group["tau"], group["per_position_acceptance"] = (
+                            counters.get((temperature, concurrency), (None, [])) if name == "all" else (None, []))
+            results.append({"temperature": temperature, "concurrency": concurrency, "groups": groups})
     return results
 
 
-def recommendation(results: dict) -> str:
-    """One line: where speculation pays, at the load measured (batch 1)."""
+def recommendation(results: list[dict]) -> str:
+    """One line per temperature: the verdict at each load level, and where speculation stops paying."""
     lines = []
-    for temperature, groups in results.items():
-        if "all" not in groups:
+    for temperature in dict.fromkeys(r["temperature"] for r in results):
+        levels = [r for r in results if r["temperature"] == temperature and "all" in r["groups"]]
+        if not levels:
             continue
-        on = [c for c, g in groups.items() if c != "all" and g["verdict"].startswith("switch on")]
-        off = [c for c, g in groups.items() if c != "all" and g["verdict"].startswith("switch off")]
-        overall = groups["all"]["verdict"].split(":")[0]
-        lines.append(f"temperature {temperature}, concurrency 1: {overall} overall ({groups['all']['speedup']:.2f}x)"
-                     + (f"; on for {', '.join(on)}" if on else "") + (f"; off for {', '.join(off)}" if off else ""))
-    return "; ".join(lines) if lines else "nothing measured"
+        parts = []
+        for level in levels:
+            groups = level["groups"]
+            on = [c for c, g in groups.items() if c != "all" and g["verdict"].startswith("switch on")]
+            off = [c for c, g in groups.items() if c != "all" and g["verdict"].startswith("switch off")]
+            parts.append(f"concurrency {level['concurrency']}: {groups['all']['verdict'].split(':')[0]} overall "
+                         f"({groups['all']['speedup']:.2f}x)" + (f", on for {', '.join(on)}" if on else "")
+                         + (f", off for {', '.join(off)}" if off else ""))
+        stop = next((lv["concurrency"] for lv in levels
+                     if not lv["groups"]["all"]["verdict"].startswith("switch on")), None)
+        tail = "" if len(levels) == 1 else (
+            f"; speculation stops paying at concurrency {stop}" if stop is not None else
+            "; it pays at every load level measured")
+        lines.append(f"temperature {temperature:g}: " + "; ".join(parts) + tail)
+    return " | ".join(lines) if lines else "nothing measured"
 
 
 def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_progress: bool = True) -> dict:
     """Load, sweep, summarise, write report.json / report.md / report.html (+ PNG plots) to out_dir."""
-    from draftsmith.heads.device import resolve_device
-    from draftsmith.heads.drafter import load_drafter, read_config
+    from draftsmith.heads.drafter import read_config
     from draftsmith.heads.files import require_writable
-    from draftsmith.heads.target import Target, resolve_dtype
 
-    from .benchmark import configure_proposal
     from .bench_report import write_reports
-    from .settings import EvalSettings
 
     out_dir = Path(out_dir).expanduser()
     require_writable(out_dir.resolve(), "--out")
+    out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     config = read_config(checkpoint)
     target_path = settings.target or config.get("target_source") or config["target"]["name"]
-    device = resolve_device(settings.device)
-    target = Target.load(target_path, resolve_dtype(settings.dtype, device), device)
-    drafter = load_drafter(checkpoint, target).to(target.dtype)
-    proposal = configure_proposal(drafter, target, EvalSettings(device=str(device)))
-    traffic = load_traffic(target.tokenizer, settings.traffic, settings.limit, settings.seed, settings.max_new_tokens)
-    # warm-up: both modes once, untimed
-    from .verifier import decode
-    decode(target, traffic.requests[0].prompt, 8)
-    decode(target, traffic.requests[0].prompt, 8, drafter)
-    total = 2 * len(traffic.requests) * settings.repeats * len(settings.temperatures)
     progress = None
     if show_progress:
         from tqdm import tqdm
-        progress = tqdm(total=total, desc="bench", unit="run")
-    runs, complete = sweep(target, drafter, traffic, settings, progress)
-    if progress is not None:
-        progress.close()
+
+        def progress(total):
+            return tqdm(total=total, desc="bench", unit="request")
+    if settings.engine == "vllm":
+        from .bench_vllm import run_vllm
+        measured = run_vllm(checkpoint, config, target_path, settings, out_dir, progress)
+        device = "cpu (vLLM's CPU backend)" if "cpu" in measured["engine"].lower() else "vLLM's device"
+    else:
+        measured = run_draftsmith(checkpoint, target_path, settings, progress)
+        device = measured["device"]
+    runs, traffic = measured["runs"], measured["traffic"]
     positions = max((max(r.accepted) for r in runs if r.accepted), default=0) or 1
-    results = summarize(runs, traffic, settings, positions)
+    results = summarize(runs, settings, positions, measured.get("acceptance"))
+    for level in results:
+        for mode in ("plain", "speculative"):
+            rate = measured.get("batch_tokens_per_s", {}).get(f"{level['temperature']:g}@{level['concurrency']}@{mode}")
+            if rate is not None and "all" in level["groups"]:
+                level["groups"]["all"][mode]["tokens_per_s_batch"] = rate
     report = {
-        "checkpoint": str(checkpoint), "kind": config.get("kind"), "target": target.name, "device": str(device),
-        "dtype": target.precision, "proposal": proposal, "engine": "draftsmith (batch 1)", "concurrency": [1],
-        "settings": dataclasses.asdict(settings), "complete": complete,
+        "checkpoint": str(checkpoint), "kind": config.get("kind"), "target": str(target_path), "device": device,
+        "dtype": measured["dtype"], "proposal": measured["proposal"], "engine": measured["engine"],
+        "concurrency": list(settings.concurrency), "settings": dataclasses.asdict(settings),
+        "complete": measured["complete"],
         "traffic": {"source": settings.traffic, "available": traffic.available,
                     "sampled": {c: sum(r.category == c for r in traffic.requests) for c in traffic.available},
                     "skipped_without_prompt": traffic.skipped_without_prompt},
@@ -341,6 +375,31 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
         "runs": [dataclasses.asdict(r) for r in runs],
     }
     write_reports(report, out_dir)
-    if not complete:
+    if not measured["complete"]:
         raise KeyboardInterrupt
     return report
+
+
+def run_draftsmith(checkpoint: str, target_path: str, settings: BenchSettings, progress=None) -> dict:
+    """draftsmith's verifier at batch 1: load the target and drafter here, warm up, sweep."""
+    from draftsmith.heads.device import resolve_device
+    from draftsmith.heads.drafter import load_drafter
+    from draftsmith.heads.target import Target, resolve_dtype
+
+    from .benchmark import configure_proposal
+    from .settings import EvalSettings
+    from .verifier import decode
+
+    device = resolve_device(settings.device)
+    target = Target.load(target_path, resolve_dtype(settings.dtype, device), device)
+    drafter = load_drafter(checkpoint, target).to(target.dtype)
+    proposal = configure_proposal(drafter, target, EvalSettings(device=str(device)))
+    traffic = load_traffic(target.tokenizer, settings.traffic, settings.limit, settings.seed, settings.max_new_tokens)
+    decode(target, traffic.requests[0].prompt, 8)                   # warm-up: both modes once, untimed
+    decode(target, traffic.requests[0].prompt, 8, drafter)
+    bar = progress(2 * len(traffic.requests) * settings.repeats * len(settings.temperatures)) if progress else None
+    runs, complete = sweep(target, drafter, traffic, settings, bar)
+    if bar is not None:
+        bar.close()
+    return {"runs": runs, "complete": complete, "traffic": traffic, "device": str(device), "dtype": target.precision,
+            "proposal": proposal, "engine": "draftsmith (batch 1)"}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from draftsmith.heads.files import write_atomic
 
-PLOTS = ("speedup.png", "latency.png", "acceptance.png")
+PLOTS = ("speedup.png", "latency.png", "acceptance.png", "speedup-by-concurrency.png")
 COLUMNS = ["category", "requests", "speedup (interval)", "verdict", "TTFT p50 before → after",
            "total p50 / p90 before → after (s)", "tokens/s before → after", "tau", "identical text", "cost/request"]
 
@@ -30,10 +30,16 @@ def table_rows(groups: dict) -> list[list[str]]:
             f"{g['speedup']:.2f}x ({low:.2f}-{high:.2f})", g["verdict"].split(":")[0],
             f"{_ms(p['ttft_p50_s'])} → {_ms(s['ttft_p50_s'])}",
             f"{p['total_p50_s']:.2f} / {p['total_p90_s']:.2f} → {s['total_p50_s']:.2f} / {s['total_p90_s']:.2f}",
-            f"{p['tokens_per_s_per_request']:.1f} → {s['tokens_per_s_per_request']:.1f}",
-            f"{g['tau']:.2f}", "" if identical is None else f"{identical:.0%}", cost,
+            f"{p['tokens_per_s_per_request']:.1f} → {s['tokens_per_s_per_request']:.1f}"
+            + (f" (batch {p['tokens_per_s_batch']:.1f} → {s['tokens_per_s_batch']:.1f})" if "tokens_per_s_batch" in p
+               and "tokens_per_s_batch" in s else ""),
+            "" if g["tau"] is None else f"{g['tau']:.2f}", "" if identical is None else f"{identical:.0%}", cost,
         ])
     return rows
+
+
+def level_name(level: dict) -> str:
+    return f"temperature {level['temperature']:g}, concurrency {level['concurrency']}"
 
 
 def header_lines(report: dict) -> list[str]:
@@ -57,9 +63,9 @@ def header_lines(report: dict) -> list[str]:
 def markdown(report: dict, plots: list[str] = ()) -> str:
     lines = [f"# draftsmith bench: {report['checkpoint']}", ""] + [f"- {line}" for line in header_lines(report)]
     lines += ["", f"**Recommendation:** {report['recommendation']}", ""]
-    for temperature, groups in report["results"].items():
-        lines += [f"## temperature {temperature}, concurrency 1", "", "| " + " | ".join(COLUMNS) + " |",
-                  "|" + "---|" * len(COLUMNS)]
+    for level in report["results"]:
+        groups = level["groups"]
+        lines += [f"## {level_name(level)}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += ["| " + " | ".join(row) + " |" for row in table_rows(groups)]
         if "all" in groups:
             lines += ["", "per-position acceptance (all): "
@@ -77,8 +83,9 @@ def html_page(report: dict, images: dict[str, bytes]) -> str:
              f"<h1>draftsmith bench: {esc(report['checkpoint'])}</h1><ul>"]
     parts += [f"<li>{esc(line)}</li>" for line in header_lines(report)]
     parts.append(f"</ul><p><b>Recommendation:</b> {esc(report['recommendation'])}</p>")
-    for temperature, groups in report["results"].items():
-        parts.append(f"<h2>temperature {esc(temperature)}, concurrency 1</h2><table><tr>"
+    for level in report["results"]:
+        groups = level["groups"]
+        parts.append(f"<h2>{esc(level_name(level))}</h2><table><tr>"
                      + "".join(f"<th>{esc(c)}</th>" for c in COLUMNS) + "</tr>")
         for row in table_rows(groups):
             parts.append("<tr>" + "".join(f"<td>{esc(cell.strip('*'))}</td>" for cell in row) + "</tr>")
@@ -89,35 +96,39 @@ def html_page(report: dict, images: dict[str, bytes]) -> str:
 
 
 def plot(report: dict, out_dir: Path) -> list[str]:
-    """speedup by category (with intervals), TTFT and total time before and after, acceptance per position."""
+    """Speedup by category (with intervals), TTFT and total time before and after, acceptance per
+    position, and speedup against concurrency when several load levels were measured."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    levels = [level for level in report["results"] if level["groups"]]
+    if not levels:
+        return []
     written = []
-    results = {t: g for t, g in report["results"].items() if g}
-    if not results:
-        return written
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(results)
-    for k, (temperature, groups) in enumerate(results.items()):
-        names = list(groups)
-        speed = [groups[c]["speedup"] for c in names]
-        err = [[s - groups[c]["speedup_interval"][0] for c, s in zip(names, speed)],
-               [groups[c]["speedup_interval"][1] - s for c, s in zip(names, speed)]]
-        ax.bar([i + k * width for i in range(len(names))], speed, width, yerr=err, capsize=3,
-               label=f"temperature {temperature}")
-        ax.set_xticks([i + width * (len(results) - 1) / 2 for i in range(len(names))], names, rotation=30, ha="right")
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)
+        written.append(name)
+
+    names = list(levels[0]["groups"])
+    fig, ax = plt.subplots(figsize=(max(8, len(names) * len(levels) * 0.35), 4))
+    width = 0.8 / len(levels)
+    for k, level in enumerate(levels):
+        groups = level["groups"]
+        speed = [groups[c]["speedup"] if c in groups else 0.0 for c in names]
+        err = [[max(0.0, s - groups[c]["speedup_interval"][0]) if c in groups else 0.0 for c, s in zip(names, speed)],
+               [max(0.0, groups[c]["speedup_interval"][1] - s) if c in groups else 0.0 for c, s in zip(names, speed)]]
+        ax.bar([i + k * width for i in range(len(names))], speed, width, yerr=err, capsize=3, label=level_name(level))
+    ax.set_xticks([i + width * (len(levels) - 1) / 2 for i in range(len(names))], names, rotation=30, ha="right")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_ylabel("speedup (plain / speculative s per token)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / PLOTS[0], dpi=100)
-    written.append(PLOTS[0])
-    plt.close(fig)
+    ax.legend(fontsize=7)
+    save(fig, PLOTS[0])
 
-    temperature, groups = next(iter(results.items()))
-    names = list(groups)
+    groups = levels[0]["groups"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((axes[0], "ttft_p50_s", "time to first token p50 (s)"),
                            (axes[1], "total_p50_s", "total time p50 (s)")):
@@ -127,25 +138,36 @@ def plot(report: dict, out_dir: Path) -> list[str]:
         ax.set_xticks([i + 0.2 for i in range(len(names))], names, rotation=30, ha="right")
         ax.set_ylabel(label)
     axes[0].legend()
-    fig.suptitle(f"temperature {temperature}, concurrency 1")
-    fig.tight_layout()
-    fig.savefig(out_dir / PLOTS[1], dpi=100)
-    written.append(PLOTS[1])
-    plt.close(fig)
+    fig.suptitle(level_name(levels[0]))
+    save(fig, PLOTS[1])
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for category, g in groups.items():
-        rates = g["per_position_acceptance"]
-        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=category,
-                linewidth=2.5 if category == "all" else 1)
+    curves = ([(c, g["per_position_acceptance"]) for c, g in groups.items()] if len(levels) == 1 else
+              [(level_name(level), level["groups"]["all"]["per_position_acceptance"]) for level in levels])
+    for label, rates in curves:
+        if rates:
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=label, linewidth=2.5 if label == "all" else 1)
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance (fraction of steps)")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / PLOTS[2], dpi=100)
-    written.append(PLOTS[2])
-    plt.close(fig)
+    save(fig, PLOTS[2])
+
+    if len({level["concurrency"] for level in levels}) > 1:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for temperature in dict.fromkeys(level["temperature"] for level in levels):
+            row = [level for level in levels if level["temperature"] == temperature]
+            conc = [level["concurrency"] for level in row]
+            speed = [level["groups"]["all"]["speedup"] for level in row]
+            low = [s - level["groups"]["all"]["speedup_interval"][0] for s, level in zip(speed, row)]
+            high = [level["groups"]["all"]["speedup_interval"][1] - s for s, level in zip(speed, row)]
+            ax.errorbar(conc, speed, yerr=[low, high], marker="o", capsize=3, label=f"temperature {temperature:g}")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("requests in flight (concurrency)")
+        ax.set_ylabel("speedup, all categories")
+        ax.legend()
+        save(fig, PLOTS[3])
     return written
 
 

@@ -48,7 +48,7 @@ def test_bench_reports_every_category_with_plots_and_a_verdict(checkpoint, tmp_p
     assert report["traffic"]["available"] == {"chat": 2, "code": 3, "uncategorized": 1}
     assert report["traffic"]["sampled"] == {"chat": 2, "code": 2, "uncategorized": 1}
     assert report["traffic"]["skipped_without_prompt"] == 1
-    groups = report["results"]["0"]
+    groups = report["results"][0]["groups"]
     assert set(groups) == {"chat", "code", "uncategorized", "all"}
     for name, group in groups.items():
         assert group["runs_per_mode"] == group["requests"] * 2, name
@@ -104,6 +104,11 @@ def test_the_verdict_follows_the_speedup_interval(plain, spec, expected):
     (["--limit", "0"], "--limit must be >= 1"),
     (["--cost-per-hour", "-1"], "--cost-per-hour must be > 0"),
     (["--temperature", "-0.5"], "--temperature values must be >= 0"),
+    (["--engine", "vllm", "--concurrency", "1,0"], "--concurrency values must be >= 1"),
+    (["--concurrency", "1,x"], "--concurrency takes whole numbers"),
+    (["--concurrency", "4"], "the draftsmith engine serves one request at a time"),
+    (["--engine", "sglang"], "--engine must be one of draftsmith, vllm"),
+    (["--engine", "vllm", "--vllm-python", "/nonexistent/python"], "--vllm-python '/nonexistent/python' is not a file"),
 ])
 def test_bad_bench_settings_are_one_clear_line(checkpoint, tmp_path, capsys, flags, message):
     assert main(["bench", str(checkpoint), "--out", str(tmp_path / "r")] + flags) == 2

@@ -154,3 +154,26 @@ def test_vllm_data_backend_writes_what_the_transformers_backend_writes(vllm_pyth
                            "data.backend=vllm"], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert {p.name: p.read_bytes() for p in shard_paths(tmp_path / "vllm" / "data")} == before
+
+
+def test_bench_through_vllm_at_two_load_levels_keeps_greedy_text(default_run, vllm_python, tmp_path):
+    """`draftsmith bench --engine vllm` on the default target with a trained EAGLE-3 export: both load
+    levels reported, per-level acceptance from vLLM's counters, and greedy fp32 text identical with and
+    without the drafter at each level."""
+    from draftsmith.cli import main
+
+    out = tmp_path / "bench"
+    argv = ["bench", str(default_run["eagle3"]), "--engine", "vllm", "--vllm-python", vllm_python,
+            "--concurrency", "1,4", "--prompts", "mt-bench", "--limit", "1", "--repeats", "1",
+            "--max-new-tokens", "24", "--dtype", "float32", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [level["concurrency"] for level in report["results"]] == [1, 4]
+    for level in report["results"]:
+        groups = level["groups"]
+        assert len(groups) == 9, sorted(groups)                  # MT-bench's 8 categories and 'all'
+        assert groups["all"]["identical_text"] == 1.0, level["concurrency"]
+        assert groups["all"]["tau"] is not None and groups["all"]["tau"] > 1.0
+        assert groups["all"]["speculative"]["tokens_per_s_batch"] > 0
+    assert (out / "speedup-by-concurrency.png").is_file()
+    assert "concurrency 4" in report["recommendation"]

