@@ -320,9 +320,14 @@ def recommendation(results: list[dict]) -> str:
                          + (f", off for {', '.join(off)}" if off else ""))
         stop = next((lv["concurrency"] for lv in levels
                      if not lv["groups"]["all"]["verdict"].startswith("switch on")), None)
-        tail = "" if len(levels) == 1 else (
-            f"; speculation stops paying at concurrency {stop}" if stop is not None else
-            "; it pays at every load level measured")
+        if len(levels) == 1:
+            tail = ""
+        elif stop is None:
+            tail = "; it pays at every load level measured"
+        elif stop == levels[0]["concurrency"]:
+            tail = "; it pays at none of the load levels measured"
+        else:
+            tail = f"; speculation stops paying at concurrency {stop}"
         lines.append(f"temperature {temperature:g}: " + "; ".join(parts) + tail)
     return " | ".join(lines) if lines else "nothing measured"
 
