@@ -12,20 +12,12 @@ prompts.json: a list of token-id lists.  result.json: {"tokens": [[...], ...],
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
-
-def metrics_of(llm) -> dict:
-    """The speculative-decoding counters of `llm.get_metrics()` (engine built with disable_log_stats=False)."""
-    out = {}
-    for metric in llm.get_metrics():
-        if not metric.name.startswith("vllm:spec_decode"):
-            continue
-        if hasattr(metric, "values"):
-            out[metric.name] = list(metric.values)
-        else:
-            out[metric.name] = getattr(metric, "value", None)
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+from vllm_worker import counter_delta, spec_counters  # noqa: E402  (stdlib-only helpers beside the bench worker)
 
 
 def main():
@@ -55,7 +47,7 @@ def main():
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     requests = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)   # warm-up
-    before = metrics_of(llm)
+    before = spec_counters(llm)
     tokens, seconds = None, 0.0
     for _ in range(args.repeat):
         start = time.perf_counter()
@@ -67,15 +59,7 @@ def main():
                 outputs += llm.generate(requests[i:i + args.batch], params, use_tqdm=False)
         seconds += time.perf_counter() - start
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    after = metrics_of(llm)
-    delta = {}
-    for name, value in after.items():
-        old = before.get(name)
-        if isinstance(value, list):
-            old = old or [0] * len(value)
-            delta[name] = [a - b for a, b in zip(value, old)]
-        elif value is not None:
-            delta[name] = value - (old or 0)
+    delta = counter_delta(before, spec_counters(llm))
     json.dump({"tokens": tokens, "seconds": seconds, "generated": sum(map(len, tokens)) * args.repeat,
                "metrics": delta}, open(args.out, "w"))
 
