@@ -77,7 +77,7 @@ def markdown(report: dict, plots: list[str] = ()) -> str:
 
 def html_page(report: dict, images: dict[str, bytes]) -> str:
     esc = html.escape
-    parts = [f"<!doctype html><meta charset='utf-8'><title>draftsmith bench</title>"
+    parts = ["<!doctype html><meta charset='utf-8'><title>draftsmith bench</title>"
              "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
              "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style>",
              f"<h1>draftsmith bench: {esc(report['checkpoint'])}</h1><ul>"]
@@ -105,14 +105,17 @@ def plot(report: dict, out_dir: Path) -> list[str]:
     levels = [level for level in report["results"] if level["groups"]]
     if not levels:
         return []
-    written = []
-
-    def save(fig, name):
+    figures = [speedup_figure(plt, levels), latency_figure(plt, levels[0]), acceptance_figure(plt, levels)]
+    if len({level["concurrency"] for level in levels}) > 1:
+        figures.append(concurrency_figure(plt, levels))
+    for fig, name in zip(figures, PLOTS):
         fig.tight_layout()
         fig.savefig(out_dir / name, dpi=100)
         plt.close(fig)
-        written.append(name)
+    return list(PLOTS[:len(figures)])
 
+
+def speedup_figure(plt, levels: list[dict]):
     names = list(levels[0]["groups"])
     fig, ax = plt.subplots(figsize=(max(8, len(names) * len(levels) * 0.35), 4))
     width = 0.8 / len(levels)
@@ -126,9 +129,11 @@ def plot(report: dict, out_dir: Path) -> list[str]:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_ylabel("speedup (plain / speculative s per token)")
     ax.legend(fontsize=7)
-    save(fig, PLOTS[0])
+    return fig
 
-    groups = levels[0]["groups"]
+
+def latency_figure(plt, level: dict):
+    groups, names = level["groups"], list(level["groups"])
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((axes[0], "ttft_p50_s", "time to first token p50 (s)"),
                            (axes[1], "total_p50_s", "total time p50 (s)")):
@@ -138,11 +143,13 @@ def plot(report: dict, out_dir: Path) -> list[str]:
         ax.set_xticks([i + 0.2 for i in range(len(names))], names, rotation=30, ha="right")
         ax.set_ylabel(label)
     axes[0].legend()
-    fig.suptitle(level_name(levels[0]))
-    save(fig, PLOTS[1])
+    fig.suptitle(level_name(level))
+    return fig
 
+
+def acceptance_figure(plt, levels: list[dict]):
     fig, ax = plt.subplots(figsize=(6, 4))
-    curves = ([(c, g["per_position_acceptance"]) for c, g in groups.items()] if len(levels) == 1 else
+    curves = ([(c, g["per_position_acceptance"]) for c, g in levels[0]["groups"].items()] if len(levels) == 1 else
               [(level_name(level), level["groups"]["all"]["per_position_acceptance"]) for level in levels])
     for label, rates in curves:
         if rates:
@@ -151,24 +158,24 @@ def plot(report: dict, out_dir: Path) -> list[str]:
     ax.set_ylabel("acceptance (fraction of steps)")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7)
-    save(fig, PLOTS[2])
+    return fig
 
-    if len({level["concurrency"] for level in levels}) > 1:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for temperature in dict.fromkeys(level["temperature"] for level in levels):
-            row = [level for level in levels if level["temperature"] == temperature]
-            conc = [level["concurrency"] for level in row]
-            speed = [level["groups"]["all"]["speedup"] for level in row]
-            low = [s - level["groups"]["all"]["speedup_interval"][0] for s, level in zip(speed, row)]
-            high = [level["groups"]["all"]["speedup_interval"][1] - s for s, level in zip(speed, row)]
-            ax.errorbar(conc, speed, yerr=[low, high], marker="o", capsize=3, label=f"temperature {temperature:g}")
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("requests in flight (concurrency)")
-        ax.set_ylabel("speedup, all categories")
-        ax.legend()
-        save(fig, PLOTS[3])
-    return written
+
+def concurrency_figure(plt, levels: list[dict]):
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for temperature in dict.fromkeys(level["temperature"] for level in levels):
+        row = [level for level in levels if level["temperature"] == temperature]
+        conc = [level["concurrency"] for level in row]
+        speed = [level["groups"]["all"]["speedup"] for level in row]
+        low = [s - level["groups"]["all"]["speedup_interval"][0] for s, level in zip(speed, row)]
+        high = [level["groups"]["all"]["speedup_interval"][1] - s for s, level in zip(speed, row)]
+        ax.errorbar(conc, speed, yerr=[low, high], marker="o", capsize=3, label=f"temperature {temperature:g}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests in flight (concurrency)")
+    ax.set_ylabel("speedup, all categories")
+    ax.legend()
+    return fig
 
 
 def write_reports(report: dict, out_dir: str | Path) -> None:
