@@ -345,12 +345,7 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
     started = time.time()
     config = read_config(checkpoint)
     target_path = settings.target or config.get("target_source") or config["target"]["name"]
-    progress = None
-    if show_progress:
-        from tqdm import tqdm
-
-        def progress(total):
-            return tqdm(total=total, desc="bench", unit="request")
+    progress = _progress_bar if show_progress else None      # made once the number of requests is known
     if settings.engine == "vllm":
         from .bench_vllm import run_vllm
         measured = run_vllm(checkpoint, config, target_path, settings, out_dir, progress)
@@ -383,6 +378,11 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
     if not measured["complete"]:
         raise KeyboardInterrupt
     return report
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+    return tqdm(total=total, desc="bench", unit="request")
 
 
 def run_draftsmith(checkpoint: str, target_path: str, settings: BenchSettings, progress=None) -> dict:
