@@ -172,11 +172,13 @@ def cmd_bench(args) -> dict:
         concurrency = tuple(int(c) for part in args.concurrency for c in part.split(",") if c.strip())
     except ValueError:
         raise BenchError(f"--concurrency takes whole numbers, e.g. 1,4,16; got {' '.join(args.concurrency)}") from None
-    settings = BenchSettings(traffic=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
+    engine = args.engine or ("endpoint" if args.endpoint or args.baseline_endpoint else "draftsmith")
+    settings = BenchSettings(traffic=",".join(args.prompts), limit=args.limit, max_new_tokens=args.max_new_tokens,
                              temperatures=tuple(args.temperature), repeats=args.repeats,
                              cost_per_hour=args.cost_per_hour, seed=args.seed, dtype=args.dtype,
-                             device=args.device, target=args.target, engine=args.engine, concurrency=concurrency,
-                             vllm_python=args.vllm_python, num_speculative_tokens=args.num_speculative_tokens)
+                             device=args.device, target=args.target, engine=engine, concurrency=concurrency,
+                             vllm_python=args.vllm_python, num_speculative_tokens=args.num_speculative_tokens,
+                             endpoint=args.endpoint, baseline_endpoint=args.baseline_endpoint)
     read_config(args.checkpoint)              # a damaged or missing checkpoint is named before anything loads
     out = Path(args.out)
     try:
@@ -244,8 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the report (md, html with plots, json) gives TTFT, total time, tokens/s, cost, "
                                    "acceptance and a verdict per category.")
     p.add_argument("checkpoint")
-    p.add_argument("--prompts", default="mt-bench", help="mt-bench (default), humaneval, or FILE.jsonl (chats or "
-                   "prompts; optional 'category' and 'max_tokens' per line)")
+    p.add_argument("--prompts", nargs="+", default=["mt-bench"], help="mt-bench (default), humaneval, or "
+                   "FILE.jsonl (chats or prompts; optional 'category' and 'max_tokens' per line); several make one "
+                   "sample, e.g. --prompts mt-bench humaneval")
     p.add_argument("--limit", type=int, default=5, help="requests per category, sampled with --seed (default 5)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request unless a line says")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more (default 0: greedy)")
@@ -256,8 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--target", default=None, help="target path (default: the one the checkpoint names)")
     p.add_argument("--out", default="bench", help="report directory (default ./bench)")
-    p.add_argument("--engine", default="draftsmith", help="draftsmith (its verifier, batch 1) or vllm (your serving "
-                   "stack: the checkpoint is exported and served with and without the drafter)")
+    p.add_argument("--engine", default=None, help="draftsmith (default: its verifier, batch 1), vllm (your serving "
+                   "stack: the checkpoint is exported and served with and without the drafter), or endpoint "
+                   "(running servers; implied by --endpoint)")
+    p.add_argument("--endpoint", default=None, help="a running OpenAI-compatible server (e.g. vllm serve) with the "
+                   "drafter, measured by streaming; needs --baseline-endpoint")
+    p.add_argument("--baseline-endpoint", default=None, help="the same target served without the drafter")
     p.add_argument("--concurrency", nargs="+", default=["1"], help="requests in flight, e.g. 1,4,16 (vllm engine)")
     p.add_argument("--vllm-python", default=None, help="the vLLM environment's python (default: "
                    "$DRAFTSMITH_VLLM_PYTHON, else ./.venv-vllm/bin/python)")

@@ -16,6 +16,7 @@ when it is below 1, else *no measurable gain*.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -34,7 +35,7 @@ from . import metrics
 log = logging.getLogger(__name__)
 
 UNCATEGORIZED = "uncategorized"
-ENGINES = ("draftsmith", "vllm")
+ENGINES = ("draftsmith", "vllm", "endpoint")
 BOOTSTRAP_SAMPLES = 1000
 INTERVAL = (0.05, 0.95)          # the bootstrap interval's quantiles: a 90% interval
 
@@ -110,13 +111,23 @@ def _jsonl_traffic(path: Path, max_tokens: int) -> tuple[list[tuple[str, str, li
 
 
 def load_traffic(tokenizer, source: str, limit: int, seed: int, max_tokens: int) -> Traffic:
-    """At most `limit` requests per category, drawn with `seed`; the first user turn is the request."""
-    if source in sources.PROMPT_SETS:
-        rows = [(c.id, c.category or ("code" if source == "humaneval" else UNCATEGORIZED), c.messages, max_tokens)
-                for c in sources.conversations(source)]
-        skipped = 0
-    else:
-        rows, skipped = _jsonl_traffic(Path(source).expanduser(), max_tokens)
+    """At most `limit` requests per category, drawn with `seed`; the first user turn is the request.
+
+    source: mt-bench, humaneval or a JSONL file, or several of them joined by commas (one sample)."""
+    rows, skipped = [], 0
+    for name in [part.strip() for part in source.split(",") if part.strip()]:
+        if name in sources.PROMPT_SETS:
+            rows += [(c.id, c.category or ("code" if name == "humaneval" else UNCATEGORIZED), c.messages, max_tokens)
+                     for c in sources.conversations(name)]
+        else:
+            found, without_prompt = _jsonl_traffic(Path(name).expanduser(), max_tokens)
+            rows += found
+            skipped += without_prompt
+    counts = collections.Counter(row[0] for row in rows)
+    if any(n > 1 for n in counts.values()):
+        twice = sorted(str(i) for i, n in counts.items() if n > 1)[:3]
+        raise BenchError(f"request ids repeat across '{source}' (e.g. {', '.join(twice)}): give each "
+                         "source once, and each JSONL line its own 'id'")
     if not rows:
         raise BenchError(f"no requests in '{source}' ({skipped} lines without a prompt); each line needs a "
                          "'prompt', 'messages' or 'conversations' field")
@@ -230,6 +241,8 @@ class BenchSettings:
     concurrency: tuple[int, ...] = (1,)
     vllm_python: str | None = None
     num_speculative_tokens: int = 3
+    endpoint: str | None = None               # a running server with the drafter (engine "endpoint")
+    baseline_endpoint: str | None = None      # the same target served without it
 
     def __post_init__(self):
         self.temperatures = tuple(float(t) for t in self.temperatures)
@@ -238,6 +251,13 @@ class BenchSettings:
             raise BenchError(f"--engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
         if not self.concurrency or any(c < 1 for c in self.concurrency):
             raise BenchError(f"--concurrency values must be >= 1 (requests in flight), got {list(self.concurrency)}")
+        if self.engine == "endpoint" and not (self.endpoint and self.baseline_endpoint):
+            raise BenchError("--endpoint (the server with the drafter) needs --baseline-endpoint (the same target "
+                             "served without it), and the other way round: a running server cannot switch "
+                             "speculation off")
+        if self.engine != "endpoint" and (self.endpoint or self.baseline_endpoint):
+            raise BenchError(f"--endpoint and --baseline-endpoint are measured by the endpoint engine, not "
+                             f"'{self.engine}': drop --engine")
         if self.engine == "draftsmith" and self.concurrency != (1,):
             raise BenchError("the draftsmith engine serves one request at a time: --concurrency above 1 needs "
                              "--engine vllm")
@@ -350,6 +370,10 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
         from .bench_vllm import run_vllm
         measured = run_vllm(checkpoint, config, target_path, settings, out_dir, progress)
         device = "cpu (vLLM's CPU backend)" if "cpu" in measured["engine"].lower() else "vLLM's device"
+    elif settings.engine == "endpoint":
+        from .bench_endpoint import run_endpoint
+        measured = run_endpoint(checkpoint, config, target_path, settings, out_dir, progress)
+        device = "the servers' own"
     else:
         measured = run_draftsmith(checkpoint, target_path, settings, progress)
         device = measured["device"]

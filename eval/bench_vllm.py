@@ -14,7 +14,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from .bench import BenchError, BenchSettings, Run, load_traffic
+from .bench import BenchError, BenchSettings, Run, Traffic, load_traffic
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 MARK = "@@draftsmith "
@@ -95,6 +95,58 @@ def acceptance(counters: dict) -> tuple[float | None, list[float]]:
     return 1 + accepted / drafts, [a / drafts for a in per_position]
 
 
+def add_counters(total: dict, delta: dict) -> None:
+    """Add one run's counter increments (numbers, or lists per draft position) into `total`."""
+    for name, value in delta.items():
+        if isinstance(value, list):
+            old = total.get(name) or []
+            old = old + [0] * (len(value) - len(old))
+            total[name] = [a + b for a, b in zip(old, value)] + old[len(value):]
+        elif value is not None:
+            total[name] = total.get(name, 0) + value
+
+
+def sweep_levels(serve, traffic: Traffic, settings: BenchSettings, progress=None) -> dict:
+    """The serving sweep both serving engines share: for each repeat, temperature and load level, the
+    whole sample with and without the drafter, one after the other, the order alternating between repeats.
+
+    serve(mode, requests, concurrency, temperature, seed) -> {"runs": [{id, seconds, first_token_seconds,
+    tokens}], "wall": seconds, "metrics": counter increments (speculative mode)}. Ctrl-C keeps every
+    level whose two modes both finished."""
+    requests = [{"id": r.id, "prompt": r.prompt, "max_tokens": r.max_tokens} for r in traffic.requests]
+    category = {r.id: r.category for r in traffic.requests}
+    bar = progress(2 * len(requests) * settings.repeats * len(settings.temperatures) * len(settings.concurrency)) \
+        if progress else None
+    runs, counters, walls, complete = [], {}, {}, True
+    try:
+        for repeat in range(settings.repeats):
+            for temperature in settings.temperatures:
+                for concurrency in settings.concurrency:
+                    order = ("plain", "speculative") if repeat % 2 == 0 else ("speculative", "plain")
+                    level = []
+                    for mode in order:
+                        answer = serve(mode, requests, concurrency, temperature, settings.seed + 1000 * repeat)
+                        level += [Run(r["id"], category[r["id"]], temperature, repeat, mode, r["seconds"],
+                                      r["first_token_seconds"], r["tokens"], [], concurrency) for r in answer["runs"]]
+                        wall = walls.setdefault((temperature, concurrency, mode), [0, 0.0])
+                        wall[0] += sum(len(r["tokens"]) for r in answer["runs"])
+                        wall[1] += answer["wall"]
+                        if mode == "speculative":
+                            add_counters(counters.setdefault((temperature, concurrency), {}), answer["metrics"])
+                        if bar is not None:
+                            bar.update(len(requests))
+                    runs += level
+    except KeyboardInterrupt:
+        complete = False
+    finally:
+        if bar is not None:
+            bar.close()
+    return {"runs": runs, "complete": complete, "traffic": traffic,
+            "acceptance": {key: acceptance(c) for key, c in counters.items()},
+            "batch_tokens_per_s": {f"{t:g}@{c}@{m}": tokens / seconds for (t, c, m), (tokens, seconds) in walls.items()
+                                   if seconds > 0}}
+
+
 def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSettings, out_dir: Path,
              progress=None) -> dict:
     """Export, start both engines, sweep. Returns runs, completeness, per-level acceptance and batch walls.
@@ -109,68 +161,35 @@ def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSet
     method = VLLM_METHODS.get(config.get("kind"))
     if method is None:
         raise BenchError(f"vLLM serves {', '.join(VLLM_METHODS)} drafters, not '{config.get('kind')}'")
+    served = str(resolve_target_path(target_path)[0])
+    dtype = "bfloat16" if settings.dtype == "auto" else settings.dtype
+    # the export loads the target to be served and refuses one the drafter was not trained for, naming both
+    exported = export(checkpoint, "vllm", out_dir / "export-vllm", dtype=dtype, overwrite=True,
+                      target_path=target_path, device="cpu")
     version = vllm_version(python)
     if method == "medusa" and config.get("drafter", {}).get("draft_vocab_size") and version.startswith("0.32"):
         raise BenchError(f"vLLM {version} cannot load a Medusa drafter with a reduced draft vocabulary ('weights not "
                          "initialized: token_map'); this checkpoint has one. Train it with "
                          "drafter.draft_vocab_size: null for vLLM, or bench it with --engine draftsmith")
-    served = str(resolve_target_path(target_path)[0])
-    dtype = "bfloat16" if settings.dtype == "auto" else settings.dtype
-    exported = export(checkpoint, "vllm", out_dir / "export-vllm", dtype=dtype, overwrite=True,
-                      target_path=target_path, device="cpu")
     traffic = load_traffic(AutoTokenizer.from_pretrained(served), settings.traffic, settings.limit, settings.seed,
                            settings.max_new_tokens)
     longest = max(len(r.prompt) + r.max_tokens for r in traffic.requests)
     common = ["--target", served, "--dtype", dtype, "--max-num-seqs", str(max(settings.concurrency)),
               "--max-model-len", str(longest + settings.num_speculative_tokens + 16)]
-    bar = None
     workers: dict[str, Worker] = {}
-    runs, counters, walls, complete = [], {}, {}, True
+
+    def serve(mode: str, requests: list[dict], concurrency: int, temperature: float, seed: int) -> dict:
+        return workers[mode].ask({"requests": requests, "concurrency": concurrency, "temperature": temperature,
+                                  "seed": seed})
     try:
         workers["plain"] = Worker(python, common, out_dir / "vllm-plain.log")
         workers["speculative"] = Worker(python, common + ["--method", method, "--drafter", str(exported), "--k",
                                                           str(settings.num_speculative_tokens)],
                                         out_dir / "vllm-speculative.log")
-        requests = [{"id": r.id, "prompt": r.prompt, "max_tokens": r.max_tokens} for r in traffic.requests]
-        if progress:
-            bar = progress(2 * len(requests) * settings.repeats * len(settings.temperatures) * len(settings.concurrency))
-        category = {r.id: r.category for r in traffic.requests}
-        for repeat in range(settings.repeats):
-            for temperature in settings.temperatures:
-                for concurrency in settings.concurrency:
-                    order = ("plain", "speculative") if repeat % 2 == 0 else ("speculative", "plain")
-                    level = []
-                    for mode in order:
-                        answer = workers[mode].ask({"requests": requests, "concurrency": concurrency,
-                                                    "temperature": temperature,
-                                                    "seed": settings.seed + 1000 * repeat})
-                        level += [Run(r["id"], category[r["id"]], temperature, repeat, mode, r["seconds"],
-                                      r["first_token_seconds"], r["tokens"], [], concurrency) for r in answer["runs"]]
-                        tokens = sum(len(r["tokens"]) for r in answer["runs"])
-                        wall = walls.setdefault((temperature, concurrency, mode), [0, 0.0])
-                        wall[0] += tokens
-                        wall[1] += answer["wall"]
-                        if mode == "speculative":
-                            total = counters.setdefault((temperature, concurrency), {})
-                            for name, value in answer["metrics"].items():
-                                if isinstance(value, list):
-                                    old = total.get(name) or [0] * len(value)
-                                    total[name] = [a + b for a, b in zip(old, value)]
-                                elif value is not None:
-                                    total[name] = total.get(name, 0) + value
-                        if bar is not None:
-                            bar.update(len(requests))
-                    runs += level
-    except KeyboardInterrupt:
-        complete = False
+        measured = sweep_levels(serve, traffic, settings, progress)
     finally:
-        if bar is not None:
-            bar.close()
         for worker in workers.values():
             worker.close()
-    return {"runs": runs, "complete": complete, "traffic": traffic,
-            "acceptance": {key: acceptance(c) for key, c in counters.items()},
-            "batch_tokens_per_s": {f"{t:g}@{c}@{m}": tokens / seconds for (t, c, m), (tokens, seconds) in walls.items()
-                                   if seconds > 0},
+    return {**measured,
             "engine": f"vLLM {version} (offline engine; requests in flight = concurrency)",
             "proposal": f"chain of {settings.num_speculative_tokens} ({method})", "dtype": dtype}

@@ -35,7 +35,7 @@ def counter_delta(before: dict, after: dict) -> dict:
     for name, value in after.items():
         old = before.get(name)
         if isinstance(value, list):
-            old = old or [0] * len(value)
+            old = list(old or []) + [0] * max(0, len(value) - len(old or []))
             delta[name] = [a - b for a, b in zip(value, old)]
         elif value is not None:
             delta[name] = value - (old or 0)
@@ -63,7 +63,8 @@ def run(llm, command: dict) -> dict:
         while pending and len({id(v) for v in live.values()}) < concurrency:
             index, request = pending.pop(0)
             params = SamplingParams(temperature=temperature, max_tokens=request["max_tokens"],
-                                    seed=command["seed"] + index if temperature > 0 else None)
+                                    seed=command["seed"] + index if temperature > 0 else None,
+                                    ignore_eos=command.get("ignore_eos", False))
             admitted = time.perf_counter()
             internal = engine.add_request(request["id"], engine_input(llm, request["prompt"]), params)
             # outputs carry the id given here (0.32) or the engine's internal one (which adds a suffix)

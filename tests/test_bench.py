@@ -145,3 +145,28 @@ def test_ctrl_c_writes_what_was_measured_marked_incomplete(checkpoint, tmp_path,
     assert report["complete"] is False and len(report["runs"]) == 4      # the half pair is not kept
     assert (out / "report.md").read_text().count("INCOMPLETE") == 1
     assert "marked incomplete" in capsys.readouterr().err
+
+
+def test_several_sources_make_one_sample(tiny_target, tmp_path):
+    from draftsmith.eval.bench import BenchError, load_traffic
+    mine = traffic_file(tmp_path / "mine.jsonl")
+    traffic = load_traffic(tiny_target.tokenizer, f"mt-bench, humaneval,{mine}", limit=2, seed=0, max_tokens=16)
+    sampled = {c: sum(r.category == c for r in traffic.requests) for c in traffic.available}
+    assert traffic.available["code"] == 164 + 3            # HumanEval's 164 problems and the file's 3 lines
+    assert len([c for c in traffic.available if c not in ("code", "chat", "uncategorized")]) == 8   # MT-bench's
+    assert all(n == min(2, traffic.available[c]) for c, n in sampled.items())
+    assert traffic.skipped_without_prompt == 1
+    with pytest.raises(BenchError, match="request ids repeat across"):
+        load_traffic(tiny_target.tokenizer, f"{mine},{mine}", limit=2, seed=0, max_tokens=16)
+
+
+def test_a_served_target_other_than_the_checkpoints_is_refused_naming_both(checkpoint, tmp_path, capsys):
+    import sys
+
+    from conftest import build_tiny_target
+    other = build_tiny_target(tmp_path / "other-target", seed=11)
+    argv = ["bench", str(checkpoint), "--engine", "vllm", "--vllm-python", sys.executable, "--target", str(other),
+            "--out", str(tmp_path / "r")]
+    assert main(argv) == 2             # refused before any vLLM is needed
+    err = capsys.readouterr().err
+    assert "was made for target" in err and "other-target" in err and "weights_sha256" in err
