@@ -101,7 +101,8 @@ def cmd_eval(args) -> dict:
     from draftsmith.heads.files import require_writable
 
     settings = eval_settings(args)
-    read_config(args.checkpoint)              # a damaged or missing checkpoint is named before anything loads
+    if args.checkpoint != "ngram":
+        read_config(args.checkpoint)          # a damaged or missing checkpoint is named before anything loads
     if args.json:
         require_writable(Path(args.json).expanduser().resolve().parent, "the --json report's directory")
     report = evaluate(args.checkpoint, settings)
@@ -179,7 +180,8 @@ def cmd_bench(args) -> dict:
                              device=args.device, target=args.target, engine=engine, concurrency=concurrency,
                              vllm_python=args.vllm_python, num_speculative_tokens=args.num_speculative_tokens,
                              endpoint=args.endpoint, baseline_endpoint=args.baseline_endpoint)
-    read_config(args.checkpoint)              # a damaged or missing checkpoint is named before anything loads
+    if args.checkpoint != "ngram":
+        read_config(args.checkpoint)          # a damaged or missing checkpoint is named before anything loads
     out = Path(args.out)
     try:
         report = bench(args.checkpoint, settings, out)
@@ -245,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Every request runs with and without the drafter, interleaved, --repeats times; "
                                    "the report (md, html with plots, json) gives TTFT, total time, tokens/s, cost, "
                                    "acceptance and a verdict per category.")
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", help="a trained checkpoint, or 'ngram' (with --engine vllm --target MODEL): "
+                   "vLLM's prompt-lookup speculation, which needs no training")
     p.add_argument("--prompts", nargs="+", default=["mt-bench"], help="mt-bench (default), humaneval, or "
                    "FILE.jsonl (chats or prompts; optional 'category' and 'max_tokens' per line); several make one "
                    "sample, e.g. --prompts mt-bench humaneval")

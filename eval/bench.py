@@ -35,6 +35,7 @@ from . import metrics
 log = logging.getLogger(__name__)
 
 UNCATEGORIZED = "uncategorized"
+NGRAM = "ngram"                  # in place of a checkpoint: vLLM's prompt-lookup speculation, nothing trained
 ENGINES = ("draftsmith", "vllm", "endpoint")
 BOOTSTRAP_SAMPLES = 1000
 INTERVAL = (0.05, 0.95)          # the bootstrap interval's quantiles: a 90% interval
@@ -363,7 +364,13 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
     require_writable(out_dir.resolve(), "--out")
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    config = read_config(checkpoint)
+    if str(checkpoint) == NGRAM:
+        if settings.engine != "vllm" or not settings.target:
+            raise BenchError("'ngram' is vLLM's own prompt-lookup speculation, with nothing trained: bench it with "
+                             "--engine vllm --target MODEL (the model to serve)")
+        config = {"kind": NGRAM}
+    else:
+        config = read_config(checkpoint)
     target_path = settings.target or config.get("target_source") or config["target"]["name"]
     progress = _progress_bar if show_progress else None      # made once the number of requests is known
     if settings.engine == "vllm":

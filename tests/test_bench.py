@@ -170,3 +170,9 @@ def test_a_served_target_other_than_the_checkpoints_is_refused_naming_both(check
     assert main(argv) == 2             # refused before any vLLM is needed
     err = capsys.readouterr().err
     assert "was made for target" in err and "other-target" in err and "weights_sha256" in err
+
+
+def test_ngram_needs_the_vllm_engine_and_a_target(tmp_path, capsys):
+    for flags in ([], ["--engine", "vllm"], ["--target", "smollm2-135m"]):
+        assert main(["bench", "ngram", "--out", str(tmp_path / "r")] + flags) == 2
+        assert "'ngram' is vLLM's own prompt-lookup speculation" in capsys.readouterr().err
