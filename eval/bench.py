@@ -1,10 +1,10 @@
 """`draftsmith bench`: should speculation be switched on for this traffic? Measured, per category.
 
-The traffic is a sample of requests: MT-bench (its eight categories), HumanEval (`code`) or the
-user's JSONL (chats or prompts, optional `category` and `max_tokens`). At most `limit` requests per
-category are drawn, seeded. Every request runs with and without the drafter, interleaved, `repeats`
-times (the order alternates between repeats, so a slow spell of the machine lands on both modes), at
-each temperature asked for. The engine is draftsmith's verifier at batch 1.
+The traffic is a seeded sample of requests (eval/traffic.py). Every request runs with and without
+the drafter, interleaved, `repeats` times (the order alternates between repeats, so a slow spell of
+the machine lands on both modes), at each temperature and load level asked for. The engines:
+draftsmith's verifier at batch 1 (here), vLLM's offline engine (eval/bench_vllm.py) and running
+OpenAI-compatible servers (eval/bench_endpoint.py).
 
 Per category and temperature the report gives, before and after: time to first token and total time
 (p50, p90), output tokens/s per request and for the whole sample, cost per request, tau and
@@ -16,9 +16,7 @@ when it is below 1, else *no measurable gain*.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
-import json
 import logging
 import random
 import time
@@ -27,14 +25,11 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.data import sources
-from draftsmith.data.chat import prompt_ids
-
 from . import metrics
+from .traffic import Traffic, load_traffic
 
 log = logging.getLogger(__name__)
 
-UNCATEGORIZED = "uncategorized"
 NGRAM = "ngram"                  # in place of a checkpoint: vLLM's prompt-lookup speculation, nothing trained
 ENGINES = ("draftsmith", "vllm", "endpoint")
 BOOTSTRAP_SAMPLES = 1000
@@ -43,21 +38,6 @@ INTERVAL = (0.05, 0.95)          # the bootstrap interval's quantiles: a 90% int
 
 class BenchError(ValueError):
     """Bad bench settings or traffic."""
-
-
-@dataclass
-class Request:
-    id: str
-    category: str
-    prompt: list[int]
-    max_tokens: int
-
-
-@dataclass
-class Traffic:
-    requests: list[Request]
-    available: dict[str, int]         # category -> requests in the source
-    skipped_without_prompt: int = 0   # JSONL lines with no prompt, messages or conversations
 
 
 @dataclass
@@ -73,77 +53,6 @@ class Run:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)
     concurrency: int = 1
-
-
-def _record_max_tokens(record: dict, where: str, default: int) -> int:
-    value = record.get("max_tokens", default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise BenchError(f"{where}: max_tokens must be a whole number >= 1, got {value!r}")
-    return value
-
-
-def _jsonl_traffic(path: Path, max_tokens: int) -> tuple[list[tuple[str, str, list[dict], int]], int]:
-    """(id, category, messages, max_tokens) of every line with a prompt; lines without one are counted."""
-    if not path.is_file():
-        raise BenchError(f"traffic file '{path}' does not exist; give mt-bench, humaneval or a JSONL file")
-    stats, rows, skipped = sources.SourceStats(), [], 0
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise BenchError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno})") from None
-        if isinstance(record, dict) and not ({"prompt", "messages", "conversations"} & record.keys()):
-            skipped += 1
-            continue
-        try:
-            turns, rid, category = sources.record_turns(record, f"{path}:{number}")
-        except sources.DataError:
-            skipped += 1
-            continue
-        conv = sources.normalize(turns, rid if rid is not None else f"{path.stem}-{number}", stats, category)
-        if conv is None or not any(m["role"] == "user" for m in conv.messages):
-            skipped += 1
-            continue
-        limit = _record_max_tokens(record, f"{path}:{number}", max_tokens) if isinstance(record, dict) else max_tokens
-        rows.append((conv.id, conv.category or UNCATEGORIZED, conv.messages, limit))
-    return rows, skipped
-
-
-def load_traffic(tokenizer, source: str, limit: int, seed: int, max_tokens: int) -> Traffic:
-    """At most `limit` requests per category, drawn with `seed`; the first user turn is the request.
-
-    source: mt-bench, humaneval or a JSONL file, or several of them joined by commas (one sample)."""
-    rows, skipped = [], 0
-    for name in [part.strip() for part in source.split(",") if part.strip()]:
-        if name in sources.PROMPT_SETS:
-            rows += [(c.id, c.category or ("code" if name == "humaneval" else UNCATEGORIZED), c.messages, max_tokens)
-                     for c in sources.conversations(name)]
-        else:
-            found, without_prompt = _jsonl_traffic(Path(name).expanduser(), max_tokens)
-            rows += found
-            skipped += without_prompt
-    counts = collections.Counter(row[0] for row in rows)
-    if any(n > 1 for n in counts.values()):
-        twice = sorted(str(i) for i, n in counts.items() if n > 1)[:3]
-        raise BenchError(f"request ids repeat across '{source}' (e.g. {', '.join(twice)}): give each "
-                         "source once, and each JSONL line its own 'id'")
-    if not rows:
-        raise BenchError(f"no requests in '{source}' ({skipped} lines without a prompt); each line needs a "
-                         "'prompt', 'messages' or 'conversations' field")
-    by_category: dict[str, list] = {}
-    for row in rows:
-        by_category.setdefault(row[1], []).append(row)
-    rng = random.Random(seed)
-    requests = []
-    for category in sorted(by_category):
-        chosen = list(by_category[category])
-        rng.shuffle(chosen)
-        for rid, _, messages, tokens in sorted(chosen[:limit], key=lambda r: r[0]):
-            first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-            requests.append(Request(rid, category, prompt_ids(tokenizer, messages[:first_user + 1]), tokens))
-    return Traffic(requests, {c: len(v) for c, v in by_category.items()}, skipped)
 
 
 def quantile(values: list[float], q: float) -> float:

@@ -22,7 +22,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .bench import BenchError, BenchSettings, load_traffic
+from .bench import BenchError, BenchSettings
+from .traffic import load_traffic
 
 TIMEOUT_S = 600
 SPEC_METRIC = re.compile(r'^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$')

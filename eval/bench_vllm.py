@@ -14,7 +14,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from .bench import BenchError, BenchSettings, Run, Traffic, load_traffic
+from .bench import BenchError, BenchSettings, Run
+from .traffic import Traffic, load_traffic
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 MARK = "@@draftsmith "

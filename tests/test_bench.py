@@ -148,7 +148,7 @@ def test_ctrl_c_writes_what_was_measured_marked_incomplete(checkpoint, tmp_path,
 
 
 def test_several_sources_make_one_sample(tiny_target, tmp_path):
-    from draftsmith.eval.bench import BenchError, load_traffic
+    from draftsmith.eval.traffic import TrafficError, load_traffic
     mine = traffic_file(tmp_path / "mine.jsonl")
     traffic = load_traffic(tiny_target.tokenizer, f"mt-bench, humaneval,{mine}", limit=2, seed=0, max_tokens=16)
     sampled = {c: sum(r.category == c for r in traffic.requests) for c in traffic.available}
@@ -156,7 +156,7 @@ def test_several_sources_make_one_sample(tiny_target, tmp_path):
     assert len([c for c in traffic.available if c not in ("code", "chat", "uncategorized")]) == 8   # MT-bench's
     assert all(n == min(2, traffic.available[c]) for c, n in sampled.items())
     assert traffic.skipped_without_prompt == 1
-    with pytest.raises(BenchError, match="request ids repeat across"):
+    with pytest.raises(TrafficError, match="request ids repeat across"):
         load_traffic(tiny_target.tokenizer, f"{mine},{mine}", limit=2, seed=0, max_tokens=16)
 
 

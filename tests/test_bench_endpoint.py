@@ -69,7 +69,7 @@ class Server:
             return "# HELP vllm:num_requests_running x\nvllm:num_requests_running 0.0\n"
         n = self.requests
         lines = [f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="served"}} {DRAFTS * n}.0',
-                 f'vllm:spec_decode_num_drafts_created{{engine="0",model_name="served"}} 1.7e9',
+                 'vllm:spec_decode_num_drafts_created{engine="0",model_name="served"} 1.7e9',
                  f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="served"}} {ACCEPTED * n}.0']
         lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="served",position="{p}"}} '
                   f'{a * n}.0' for p, a in enumerate(PER_POSITION)]
