@@ -101,8 +101,7 @@ def cmd_eval(args) -> dict:
     from draftsmith.heads.files import require_writable
 
     settings = eval_settings(args)
-    if args.checkpoint != "ngram":
-        read_config(args.checkpoint)          # a damaged or missing checkpoint is named before anything loads
+    read_config(args.checkpoint)              # a damaged or missing checkpoint is named before anything loads
     if args.json:
         require_writable(Path(args.json).expanduser().resolve().parent, "the --json report's directory")
     report = evaluate(args.checkpoint, settings)
@@ -167,7 +166,6 @@ def cmd_bench(args) -> dict:
     """Speculation on and off, per category of the traffic, with a verdict and a report."""
     from draftsmith.eval.bench import BenchError, BenchSettings, bench
     from draftsmith.eval.bench_report import markdown
-    from draftsmith.heads.drafter import read_config
 
     try:
         concurrency = tuple(int(c) for part in args.concurrency for c in part.split(",") if c.strip())
@@ -180,8 +178,6 @@ def cmd_bench(args) -> dict:
                              device=args.device, target=args.target, engine=engine, concurrency=concurrency,
                              vllm_python=args.vllm_python, num_speculative_tokens=args.num_speculative_tokens,
                              endpoint=args.endpoint, baseline_endpoint=args.baseline_endpoint)
-    if args.checkpoint != "ngram":
-        read_config(args.checkpoint)          # a damaged or missing checkpoint is named before anything loads
     out = Path(args.out)
     try:
         report = bench(args.checkpoint, settings, out)
@@ -200,6 +196,39 @@ def cmd_export(args) -> dict:
                      target_path=args.target, device=args.device)
     print(f"exported {args.checkpoint} as {args.to} to {written}")
     return {"out_dir": str(written)}
+
+
+def _bench_parser(sub) -> None:
+    """`draftsmith bench`'s flags."""
+    p = sub.add_parser("bench", help="speculation on or off? measured per category of your traffic, with a verdict",
+                       description="Every request runs with and without the drafter, interleaved, --repeats times; "
+                                   "the report (md, html with plots, json) gives TTFT, total time, tokens/s, cost, "
+                                   "acceptance and a verdict per category.")
+    p.add_argument("checkpoint", help="a trained checkpoint, or 'ngram' (with --engine vllm --target MODEL): "
+                   "vLLM's prompt-lookup speculation, which needs no training")
+    p.add_argument("--prompts", nargs="+", default=["mt-bench"], help="mt-bench (default), humaneval, or "
+                   "FILE.jsonl (chats or prompts; optional 'category' and 'max_tokens' per line); several make one "
+                   "sample, e.g. --prompts mt-bench humaneval")
+    p.add_argument("--limit", type=int, default=5, help="requests per category, sampled with --seed (default 5)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request unless a line says")
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more (default 0: greedy)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cost-per-hour", type=float, default=None, help="machine price per hour, for cost per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--target", default=None, help="target path (default: the one the checkpoint names)")
+    p.add_argument("--out", default="bench", help="report directory (default ./bench)")
+    p.add_argument("--engine", default=None, help="draftsmith (default: its verifier, batch 1), vllm (your serving "
+                   "stack: the checkpoint is exported and served with and without the drafter), or endpoint "
+                   "(running servers; implied by --endpoint)")
+    p.add_argument("--endpoint", default=None, help="a running OpenAI-compatible server (e.g. vllm serve) with the "
+                   "drafter, measured by streaming; needs --baseline-endpoint")
+    p.add_argument("--baseline-endpoint", default=None, help="the same target served without the drafter")
+    p.add_argument("--concurrency", nargs="+", default=["1"], help="requests in flight, e.g. 1,4,16 (vllm engine)")
+    p.add_argument("--vllm-python", default=None, help="the vLLM environment's python (default: "
+                   "$DRAFTSMITH_VLLM_PYTHON, else ./.venv-vllm/bin/python)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step (vllm engine)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,35 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-minutes", default=S,
                    help="fit the timed runs into this budget (prompts, then tokens, cut from a measured forward cost)")
 
-    p = sub.add_parser("bench", help="speculation on or off? measured per category of your traffic, with a verdict",
-                       description="Every request runs with and without the drafter, interleaved, --repeats times; "
-                                   "the report (md, html with plots, json) gives TTFT, total time, tokens/s, cost, "
-                                   "acceptance and a verdict per category.")
-    p.add_argument("checkpoint", help="a trained checkpoint, or 'ngram' (with --engine vllm --target MODEL): "
-                   "vLLM's prompt-lookup speculation, which needs no training")
-    p.add_argument("--prompts", nargs="+", default=["mt-bench"], help="mt-bench (default), humaneval, or "
-                   "FILE.jsonl (chats or prompts; optional 'category' and 'max_tokens' per line); several make one "
-                   "sample, e.g. --prompts mt-bench humaneval")
-    p.add_argument("--limit", type=int, default=5, help="requests per category, sampled with --seed (default 5)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request unless a line says")
-    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more (default 0: greedy)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--cost-per-hour", type=float, default=None, help="machine price per hour, for cost per request")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--target", default=None, help="target path (default: the one the checkpoint names)")
-    p.add_argument("--out", default="bench", help="report directory (default ./bench)")
-    p.add_argument("--engine", default=None, help="draftsmith (default: its verifier, batch 1), vllm (your serving "
-                   "stack: the checkpoint is exported and served with and without the drafter), or endpoint "
-                   "(running servers; implied by --endpoint)")
-    p.add_argument("--endpoint", default=None, help="a running OpenAI-compatible server (e.g. vllm serve) with the "
-                   "drafter, measured by streaming; needs --baseline-endpoint")
-    p.add_argument("--baseline-endpoint", default=None, help="the same target served without the drafter")
-    p.add_argument("--concurrency", nargs="+", default=["1"], help="requests in flight, e.g. 1,4,16 (vllm engine)")
-    p.add_argument("--vllm-python", default=None, help="the vLLM environment's python (default: "
-                   "$DRAFTSMITH_VLLM_PYTHON, else ./.venv-vllm/bin/python)")
-    p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step (vllm engine)")
+    _bench_parser(sub)
 
     p = sub.add_parser("quickstart", help="data + training + evaluation on the embedded default target")
     p.add_argument("--recipe", default=QUICKSTART_RECIPE)

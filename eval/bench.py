@@ -269,40 +269,37 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
 
     from .bench_report import write_reports
 
-    out_dir = Path(out_dir).expanduser()
-    require_writable(out_dir.resolve(), "--out")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    started = time.time()
     if str(checkpoint) == NGRAM:
         if settings.engine != "vllm" or not settings.target:
             raise BenchError("'ngram' is vLLM's own prompt-lookup speculation, with nothing trained: bench it with "
                              "--engine vllm --target MODEL (the model to serve)")
         config = {"kind": NGRAM}
     else:
-        config = read_config(checkpoint)
+        config = read_config(checkpoint)     # a damaged or missing checkpoint is named before anything loads
+    out_dir = Path(out_dir).expanduser()
+    require_writable(out_dir.resolve(), "--out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
     target_path = settings.target or config.get("target_source") or config["target"]["name"]
     progress = _progress_bar if show_progress else None      # made once the number of requests is known
     if settings.engine == "vllm":
         from .bench_vllm import run_vllm
         measured = run_vllm(checkpoint, config, target_path, settings, out_dir, progress)
-        device = "cpu (vLLM's CPU backend)" if "cpu" in measured["engine"].lower() else "vLLM's device"
     elif settings.engine == "endpoint":
         from .bench_endpoint import run_endpoint
         measured = run_endpoint(checkpoint, config, target_path, settings, out_dir, progress)
-        device = "the servers' own"
     else:
         measured = run_draftsmith(checkpoint, target_path, settings, progress)
-        device = measured["device"]
     runs, traffic = measured["runs"], measured["traffic"]
     positions = max((max(r.accepted) for r in runs if r.accepted), default=0) or 1
     results = summarize(runs, settings, positions, measured.get("acceptance"))
     for level in results:
         for mode in ("plain", "speculative"):
-            rate = measured.get("batch_tokens_per_s", {}).get(f"{level['temperature']:g}@{level['concurrency']}@{mode}")
+            rate = measured.get("batch_tokens_per_s", {}).get((level["temperature"], level["concurrency"], mode))
             if rate is not None and "all" in level["groups"]:
                 level["groups"]["all"][mode]["tokens_per_s_batch"] = rate
     report = {
-        "checkpoint": str(checkpoint), "kind": config.get("kind"), "target": str(target_path), "device": device,
+        "checkpoint": str(checkpoint), "kind": config.get("kind"), "target": str(target_path), "device": measured["device"],
         "dtype": measured["dtype"], "proposal": measured["proposal"], "engine": measured["engine"],
         "concurrency": list(settings.concurrency), "settings": dataclasses.asdict(settings),
         "complete": measured["complete"],

@@ -190,4 +190,4 @@ def run_endpoint(checkpoint: str, config: dict, target_path: str, settings: Benc
     return {**sweep_levels(serve, traffic, settings, progress),
             "engine": f"OpenAI-compatible servers, streamed (with drafter: {bases['speculative']}, "
                       f"without: {bases['plain']}); target {target_check}",
-            "proposal": "as the speculative server is configured", "dtype": "as served"}
+            "proposal": "as the speculative server is configured", "dtype": "as served", "device": "the servers' own"}

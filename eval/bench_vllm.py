@@ -113,7 +113,8 @@ def sweep_levels(serve, traffic: Traffic, settings: BenchSettings, progress=None
 
     serve(mode, requests, concurrency, temperature, seed) -> {"runs": [{id, seconds, first_token_seconds,
     tokens}], "wall": seconds, "metrics": counter increments (speculative mode)}. Ctrl-C keeps every
-    level whose two modes both finished."""
+    level whose two modes both finished. Batch tokens/s and acceptance are keyed by (temperature,
+    concurrency, mode) and (temperature, concurrency)."""
     requests = [{"id": r.id, "prompt": r.prompt, "max_tokens": r.max_tokens} for r in traffic.requests]
     category = {r.id: r.category for r in traffic.requests}
     bar = progress(2 * len(requests) * settings.repeats * len(settings.temperatures) * len(settings.concurrency)) \
@@ -144,8 +145,7 @@ def sweep_levels(serve, traffic: Traffic, settings: BenchSettings, progress=None
             bar.close()
     return {"runs": runs, "complete": complete, "traffic": traffic,
             "acceptance": {key: acceptance(c) for key, c in counters.items()},
-            "batch_tokens_per_s": {f"{t:g}@{c}@{m}": tokens / seconds for (t, c, m), (tokens, seconds) in walls.items()
-                                   if seconds > 0}}
+            "batch_tokens_per_s": {key: tokens / seconds for key, (tokens, seconds) in walls.items() if seconds > 0}}
 
 
 def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSettings, out_dir: Path,
@@ -193,4 +193,5 @@ def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSet
             worker.close()
     return {**measured,
             "engine": f"vLLM {version} (offline engine; requests in flight = concurrency)",
+            "device": "vLLM's device",
             "proposal": f"chain of {settings.num_speculative_tokens} ({method})", "dtype": dtype}

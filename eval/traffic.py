@@ -11,6 +11,7 @@ import collections
 import json
 import random
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 from draftsmith.data import sources
@@ -21,6 +22,14 @@ UNCATEGORIZED = "uncategorized"
 
 class TrafficError(ValueError):
     """A traffic source that cannot be replayed."""
+
+
+class _Row(NamedTuple):
+    """One request of a source before sampling: the whole chat, not yet tokenized."""
+    id: str
+    category: str
+    messages: list[dict]
+    max_tokens: int
 
 
 @dataclass
@@ -45,8 +54,8 @@ def _record_max_tokens(record: dict, where: str, default: int) -> int:
     return value
 
 
-def _jsonl_traffic(path: Path, max_tokens: int) -> tuple[list[tuple[str, str, list[dict], int]], int]:
-    """(id, category, messages, max_tokens) of every line with a prompt; lines without one are counted."""
+def _jsonl_traffic(path: Path, max_tokens: int) -> tuple[list[_Row], int]:
+    """The rows of every line with a prompt, and how many lines had none."""
     if not path.is_file():
         raise TrafficError(f"traffic file '{path}' does not exist; give mt-bench, humaneval or a JSONL file")
     stats, rows, skipped = sources.SourceStats(), [], 0
@@ -70,7 +79,7 @@ def _jsonl_traffic(path: Path, max_tokens: int) -> tuple[list[tuple[str, str, li
             skipped += 1
             continue
         limit = _record_max_tokens(record, f"{path}:{number}", max_tokens) if isinstance(record, dict) else max_tokens
-        rows.append((conv.id, conv.category or UNCATEGORIZED, conv.messages, limit))
+        rows.append(_Row(conv.id, conv.category or UNCATEGORIZED, conv.messages, limit))
     return rows, skipped
 
 
@@ -81,29 +90,30 @@ def load_traffic(tokenizer, source: str, limit: int, seed: int, max_tokens: int)
     rows, skipped = [], 0
     for name in [part.strip() for part in source.split(",") if part.strip()]:
         if name in sources.PROMPT_SETS:
-            rows += [(c.id, c.category or ("code" if name == "humaneval" else UNCATEGORIZED), c.messages, max_tokens)
-                     for c in sources.conversations(name)]
+            rows += [_Row(c.id, c.category or ("code" if name == "humaneval" else UNCATEGORIZED), c.messages,
+                          max_tokens) for c in sources.conversations(name)]
         else:
             found, without_prompt = _jsonl_traffic(Path(name).expanduser(), max_tokens)
             rows += found
             skipped += without_prompt
-    counts = collections.Counter(row[0] for row in rows)
+    counts = collections.Counter(row.id for row in rows)
     if any(n > 1 for n in counts.values()):
         twice = sorted(str(i) for i, n in counts.items() if n > 1)[:3]
         raise TrafficError(f"request ids repeat across '{source}' (e.g. {', '.join(twice)}): give each "
-                         "source once, and each JSONL line its own 'id'")
+                           "source once, and each JSONL line its own 'id'")
     if not rows:
         raise TrafficError(f"no requests in '{source}' ({skipped} lines without a prompt); each line needs a "
-                         "'prompt', 'messages' or 'conversations' field")
+                           "'prompt', 'messages' or 'conversations' field")
     by_category: dict[str, list] = {}
     for row in rows:
-        by_category.setdefault(row[1], []).append(row)
+        by_category.setdefault(row.category, []).append(row)
     rng = random.Random(seed)
     requests = []
     for category in sorted(by_category):
         chosen = list(by_category[category])
         rng.shuffle(chosen)
-        for rid, _, messages, tokens in sorted(chosen[:limit], key=lambda r: r[0]):
-            first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-            requests.append(Request(rid, category, prompt_ids(tokenizer, messages[:first_user + 1]), tokens))
+        for row in sorted(chosen[:limit], key=lambda r: r.id):
+            first_user = next(i for i, m in enumerate(row.messages) if m["role"] == "user")
+            requests.append(Request(row.id, category, prompt_ids(tokenizer, row.messages[:first_user + 1]),
+                                    row.max_tokens))
     return Traffic(requests, {c: len(v) for c, v in by_category.items()}, skipped)
