@@ -74,7 +74,7 @@ def cmd_train(args) -> dict:
 
 
 EVAL_KEYS = ("prompts", "limit", "max_new_tokens", "temperature", "top_p", "rule", "dtype", "baselines",
-             "exact_prompts", "seed", "cost_per_hour", "target", "device", "max_minutes")   # flag names = keys
+             "exact_prompts", "seed", "cost_per_hour", "target", "device", "max_minutes", "lookup")   # flag names = keys
 
 
 def eval_settings(args):
@@ -177,7 +177,7 @@ def cmd_bench(args) -> dict:
                              cost_per_hour=args.cost_per_hour, seed=args.seed, dtype=args.dtype,
                              device=args.device, target=args.target, engine=engine, concurrency=concurrency,
                              vllm_python=args.vllm_python, num_speculative_tokens=args.num_speculative_tokens,
-                             endpoint=args.endpoint, baseline_endpoint=args.baseline_endpoint)
+                             endpoint=args.endpoint, baseline_endpoint=args.baseline_endpoint, lookup=args.lookup)
     out = Path(args.out)
     try:
         report = bench(args.checkpoint, settings, out)
@@ -229,6 +229,8 @@ def _bench_parser(sub) -> None:
     p.add_argument("--vllm-python", default=None, help="the vLLM environment's python (default: "
                    "$DRAFTSMITH_VLLM_PYTHON, else ./.venv-vllm/bin/python)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step (vllm engine)")
+    p.add_argument("--lookup", type=int, default=0, metavar="K", help="draftsmith engine: also propose K tokens "
+                   "copied from the context, merged into the drafter's tree (default 0: off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="propose a chain of K tokens (default K: the drafter's depth)")
     shape.add_argument("--tree", nargs="?", const="default", default=S, metavar="N",
                        help="propose a tree (N nodes for static trees; default: tuned on this machine)")
+    p.add_argument("--lookup", default=S, metavar="K",
+                   help="also propose K tokens copied from the context (prompt lookup), merged into the drafter's "
+                        "tree (default 0: off)")
     p.add_argument("--temperature", default=S, help=">= 0; 0 (default) is greedy")
     p.add_argument("--top-p", default=S, help="in (0, 1] (default 1)")
     p.add_argument("--rule", default=S, help="auto (default), greedy, sampling, or typical (Medusa's, NOT lossless)")

@@ -153,6 +153,7 @@ class BenchSettings:
     num_speculative_tokens: int = 3
     endpoint: str | None = None               # a running server with the drafter (engine "endpoint")
     baseline_endpoint: str | None = None      # the same target served without it
+    lookup: int = 0                           # draftsmith engine: context-lookup tokens merged into each tree
 
     def __post_init__(self):
         self.temperatures = tuple(float(t) for t in self.temperatures)
@@ -171,6 +172,9 @@ class BenchSettings:
         if self.engine == "draftsmith" and self.concurrency != (1,):
             raise BenchError("the draftsmith engine serves one request at a time: --concurrency above 1 needs "
                              "--engine vllm")
+        if self.lookup < 0 or (self.lookup and self.engine != "draftsmith"):
+            raise BenchError(f"--lookup must be >= 0 and is draftsmith's own (its verifier merges the lookup into "
+                             f"the drafter's tree); got {self.lookup} with engine '{self.engine}'")
         if self.num_speculative_tokens < 1:
             raise BenchError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
         for name in ("limit", "max_new_tokens", "repeats"):
@@ -328,14 +332,17 @@ def run_draftsmith(checkpoint: str, target_path: str, settings: BenchSettings, p
     from draftsmith.heads.drafter import load_drafter
     from draftsmith.heads.target import Target, resolve_dtype
 
-    from .benchmark import configure_proposal
+    from .benchmark import configure_proposal, with_lookup
     from .settings import EvalSettings
     from .verifier import decode
 
     device = resolve_device(settings.device)
     target = Target.load(target_path, resolve_dtype(settings.dtype, device), device)
     drafter = load_drafter(checkpoint, target).to(target.dtype)
-    proposal = configure_proposal(drafter, target, EvalSettings(device=str(device)))
+    options = EvalSettings(device=str(device), lookup=settings.lookup)
+    configure_proposal(drafter, target, options)
+    drafter = with_lookup(drafter, options)
+    proposal = drafter.describe_proposal()
     traffic = load_traffic(target.tokenizer, settings.traffic, settings.limit, settings.seed, settings.max_new_tokens)
     decode(target, traffic.requests[0].prompt, 8)                   # warm-up: both modes once, untimed
     decode(target, traffic.requests[0].prompt, 8, drafter)

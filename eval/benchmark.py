@@ -84,6 +84,10 @@ class EvalReport:
     mean_first_token_seconds: dict
     mean_seconds_per_request: dict
     cost_per_request: dict | None
+    accepted_by_source: dict | None = None   # with a context lookup: accepted draft tokens the drafter proposed
+                                             # (alone or with the lookup) and the lookup alone
+    exact_text_tau: dict | None = None       # tau on the fp32-checked prompts: in fp32 (plain decoding's own text)
+                                             # and in the timed dtype, whose text may part from it at a near-tie
     per_prompt: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -108,7 +112,7 @@ def configure_proposal(drafter, target: Target, options: EvalOptions) -> str:
     if options.proposal == "chain" or (options.proposal == "default" and getattr(drafter, "prefers_chain", False)):
         drafter.set_proposal(chain=options.chain_length)
     elif hasattr(drafter, "default_tree"):        # static trees (Medusa)
-        options.tree_size = options.tree_size or tune_tree_size(drafter, target)   # the fp32 check reuses it
+        options.tree_size = options.tree_size or tune_tree_size(drafter, target, options.lookup)   # the fp32 check reuses it
         drafter.set_proposal(tree=drafter.default_tree(options.tree_size))
     elif options.tree_size is None and options.proposal == "default":   # dynamic trees: measured here
         drafter.set_proposal(tree=tune_dynamic_tree(drafter, target, options))
@@ -139,15 +143,26 @@ def block_cost(target: Target, sizes: list[int], context: int = 200, repeats: in
     return {n: sorted(ts)[len(ts) // 2] for n, ts in times.items()}
 
 
-def tune_tree_size(drafter, target: Target) -> int:
-    """The static tree size with the best expected tokens per second on this machine."""
+def tune_tree_size(drafter, target: Target, lookup: int = 0) -> int:
+    """The static tree size with the best expected tokens per second on this machine.
+
+    `lookup`: nodes a context lookup may add to every tree, costed with it (what it accepts is not
+    modelled, and does not depend much on the tree's size)."""
     sizes = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
-    costs = block_cost(target, [s + 1 for s in sizes])
+    costs = block_cost(target, [s + 1 + lookup for s in sizes])
     rates = drafter.metadata.get("topk_accuracy")
-    best = max(sizes, key=lambda s: (1 + drafter.default_tree(s).expected_accepted(rates or [[0.0]])) / costs[s + 1]
-               if rates else -s)
+    best = max(sizes, key=lambda s: (1 + drafter.default_tree(s).expected_accepted(rates or [[0.0]]))
+               / costs[s + 1 + lookup] if rates else -s)
     log.info("tree size %d (forward costs: %s)", best, {k - 1: round(v * 1000, 1) for k, v in costs.items()})
     return best
+
+
+def with_lookup(drafter, options: EvalOptions):
+    """The drafter, with the context lookup merged into its proposals when options.lookup asks for it."""
+    if not options.lookup:
+        return drafter
+    from draftsmith.heads.lookup import WithLookup
+    return WithLookup(drafter, options.lookup, options.lookup_ngram)
 
 
 DYNAMIC_TREES = [(1, 1, 1), (2, 1, 2), (3, 1, 3), (4, 1, 4), (5, 1, 5), (3, 2, 6), (4, 3, 10), (4, 4, 14), (5, 8, 32)]
@@ -224,8 +239,15 @@ def _until_stop(tokens: list[int], stops: list[int]) -> int:
     return len(tokens)
 
 
-def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOptions, count: int):
-    """fp32: speculative greedy equals plain greedy token for token.  Returns (exact, first mismatch id)."""
+@dataclass
+class ExactCheck:
+    exact: bool
+    first_mismatch: str | None
+    tau: float | None = None      # tau of the fp32 speculative runs over the checked prompts: plain decoding's own text
+
+
+def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOptions, count: int) -> ExactCheck:
+    """fp32: speculative greedy equals plain greedy token for token, on the first `count` prompts."""
     target32 = Target.load(target_path, "float32", resolve_device(options.device))
     drafter32 = load_drafter(checkpoint, target32).float()
     if options.tree_depth_topk_total and options.proposal != "chain":
@@ -233,12 +255,15 @@ def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOpt
         drafter32.set_proposal(tree=TreeSettings(*options.tree_depth_topk_total))
     else:
         configure_proposal(drafter32, target32, options)
+    drafter32 = with_lookup(drafter32, options)
+    accepted = []
     for prompt_id, prompt in prompts[:count]:
         plain = decode(target32, prompt, options.max_new_tokens)
         spec = decode(target32, prompt, options.max_new_tokens, drafter32)
         if plain.tokens != spec.tokens:
-            return False, prompt_id
-    return True, None
+            return ExactCheck(False, prompt_id)
+        accepted += spec.accepted
+    return ExactCheck(True, None, metrics.tau(accepted) if accepted else None)
 
 
 def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> EvalReport:
@@ -251,12 +276,16 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
     dtype = resolve_dtype(options.dtype, device)
     target = Target.load(target_path, dtype, device)
     drafter = load_drafter(checkpoint, target).to(target.dtype)     # fp32 beside a CPU float16 (packed) target
-    description = configure_proposal(drafter, target, options)
+    configure_proposal(drafter, target, options)
+    drafter = with_lookup(drafter, options)
+    description = drafter.describe_proposal()
     prompts = load_prompts(target, options.prompts, options.limit)
     # warm-up: every mode once, untimed (first calls allocate, and on a GPU load kernels)
     run_modes(target, drafter, prompts[0][1][:32], dataclasses.replace(options, max_new_tokens=8), 0)
     costs = step_costs(target, drafter, prompts[0][1])
     prompts, sizing = fit_budget(prompts, options, costs["target_forward_ms"] / 1000, dtype)
+    if options.lookup:
+        drafter.clear_counts()                   # count the timed prompts only
     results, started = [], time.perf_counter()
     for index, (prompt_id, prompt) in enumerate(prompts):
         if over_budget(options, results, time.perf_counter() - started, dtype):
@@ -274,15 +303,20 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
             print(f"[{index + 1}/{len(prompts)}] {prompt_id}: tau {results[-1].tau:.2f}  {line}", flush=True)
     exact_count = len(prompts) if dtype == torch.float32 else min(options.exact_prompts, len(prompts))
     if dtype == torch.float32 and options.temperature <= 0:
-        exact = all(r.bf16_identical for r in results)
-        mismatch = next((r.id for r in results if not r.bf16_identical), None)
+        check = ExactCheck(all(r.bf16_identical for r in results),
+                           next((r.id for r in results if not r.bf16_identical), None))
     else:
-        exact, mismatch = check_exactness(checkpoint, target_path, prompts, options, exact_count)
-    report = summarize(checkpoint, config, target_path, options, description, dtype, results, exact, exact_count,
-                       mismatch)
+        check = check_exactness(checkpoint, target_path, prompts, options, exact_count)
+    report = summarize(checkpoint, config, target_path, options, description, dtype, results, check.exact,
+                       exact_count, check.first_mismatch)
+    if check.tau is not None and options.temperature <= 0:       # both greedy: the same prompts, two precisions
+        report.exact_text_tau = {"float32": check.tau,
+                                 target.precision: metrics.tau([a for r in results[:exact_count] for a in r.accepted])}
     report.sizing, report.target_forward_ms, report.draft_step_ms = (sizing, costs["target_forward_ms"],
                                                                      costs["draft_step_ms"])
     report.dtype = target.precision
+    if options.lookup:
+        report.accepted_by_source = dict(drafter.accepted)
     return report
 
 

@@ -40,6 +40,15 @@ def markdown(report: EvalReport) -> str:
         f"- greedy exact (fp32, {report.exact_checked_prompts} prompts): **{report.greedy_exact}**"
         + (f" (first mismatch: {report.first_mismatch})" if report.first_mismatch else ""),
     ]
+    if report.exact_text_tau:
+        lines.append(f"- tau on the {report.exact_checked_prompts} checked prompts: "
+                     + ", ".join(f"{tau:.2f} in {name}" for name, tau in report.exact_text_tau.items())
+                     + " (fp32 decodes plain decoding's own text)")
+    if report.accepted_by_source:
+        by = report.accepted_by_source
+        total = max(1, sum(by.values()))
+        lines.append(f"- accepted draft tokens: {by['drafter']} from the drafter ({by['drafter'] / total:.0%}), "
+                     f"{by['lookup']} only the context lookup proposed ({by['lookup'] / total:.0%})")
     if report.bf16_token_agreement is not None:
         lines.append(f"- token agreement with plain decoding in the same precision: {report.bf16_token_agreement:.3f}")
     if report.cost_per_request:

@@ -26,6 +26,11 @@ class EvalSettings:
     """Draft tokens per step for proposal=chain (>= 1; default: the drafter's depth)."""
     tree_size: int | None = None
     """Nodes of the static tree for proposal=tree (>= 1; default: tuned to the measured forward cost)."""
+    lookup: int = 0
+    """Also propose up to this many tokens copied from the context each step (prompt lookup), merged into
+    the drafter's tree and verified in the same forward (0 = off; heads/lookup.py)."""
+    lookup_ngram: int = 3
+    """The longest n-gram the lookup matches (it tries n down to 1)."""
     temperature: float = 0.0
     """0 = greedy (exactness checked); > 0 samples losslessly."""
     top_p: float = 1.0
@@ -61,7 +66,9 @@ class EvalSettings:
         for name, allowed in (("proposal", PROPOSALS), ("rule", RULES), ("dtype", DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"eval.{name} must be one of {', '.join(allowed)}, got '{getattr(self, name)}'")
-        for name in ("limit", "max_new_tokens"):
+        if self.lookup < 0:
+            raise ConfigError(f"eval.lookup must be >= 0 (0 = off), got {self.lookup}")
+        for name in ("limit", "max_new_tokens", "lookup_ngram"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"eval.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("chain_length", "tree_size"):

@@ -80,6 +80,8 @@ def decode(target: Target, prompt: list[int], max_new_tokens: int, drafter=None,
             cache.keep(start, torch.tensor([start + r for r in kept_rows], device=device))
         new_tokens = [int(tree.tokens[c]) for c in verdict.path] + [verdict.bonus]
         result.accepted.append(len(verdict.path))
+        if hasattr(drafter, "observe"):       # drafters that keep statistics of what was accepted
+            drafter.observe(verdict.path)
         for token in new_tokens:
             result.tokens.append(token)
             if token in stops or len(result.tokens) >= max_new_tokens:

@@ -53,6 +53,8 @@ def expected_shapes(config: dict) -> dict[str, tuple]:
                 shapes[f"blocks.{h}.{l}.linear.bias"] = (d,)
             if arch["lm_head"] == "own":
                 shapes[f"lm_heads.{h}.weight"] = (draft, d)
+        offsets = {"root": 1, "path": heads}.get(arch.get("conditioning", "none"), 0)
+        shapes.update({f"token_proj.{j}.weight": (d, d) for j in range(offsets)})
         return shapes
     if config["kind"] == "eagle3":
         shape = config["architecture"]
@@ -93,6 +95,11 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
     if fmt not in SUPPORTED.get(kind, ()):
         raise ExportError(f"a {kind} drafter cannot be exported as '{fmt}': the formats for {kind} are "
                           f"{', '.join(SUPPORTED.get(kind, ())) or 'none yet'}")
+    conditioning = config["drafter"].get("conditioning", "none") if kind == "medusa" else "none"
+    if conditioning != "none":
+        raise ExportError(f"'{checkpoint}' has {conditioning}-conditioned Medusa heads (drafter.conditioning: "
+                          f"{conditioning}), which the '{fmt}' Medusa format cannot hold (its heads read the hidden "
+                          "state only); train with drafter.conditioning=none to export, or serve it with draftsmith")
     weights = read_weights(checkpoint, config)
     check_weights(weights, config, str(checkpoint))
     check_destination(checkpoint, out_dir, overwrite)

@@ -28,6 +28,9 @@ from .target import Target
 from .tree import DraftTree, TreeShape
 
 
+CONDITIONING = ("none", "root", "path")
+
+
 @dataclass
 class MedusaConfig:
     num_heads: int = 4
@@ -42,12 +45,21 @@ class MedusaConfig:
     """Head k's loss weight is loss_decay ** k (Medusa paper)."""
     labels: str = "target"
     """'target': the target's own greedy next tokens (self-distillation); 'data': the tokens in the data."""
+    conditioning: str = "none"
+    """What the heads read besides h_t.  'none': nothing (Medusa).  'root': the embedding of the token the
+    target just chose (the root, token t+1), so head k predicts token t+2+k knowing it.  'path': head k
+    also reads the tokens drafted before it on its tree path (t+2 .. t+1+k), as Hydra's sequentially
+    dependent heads do (arXiv 2402.05109); the tree is then drafted one level at a time.  Each token
+    enters through a d x d projection per offset that starts at zero, so training starts from plain
+    Medusa.  vLLM's and FasterDecoding's Medusa formats hold neither: such heads do not export there."""
 
     def __post_init__(self):
         if self.num_heads < 1 or self.num_layers < 1:
             raise ValueError(f"medusa needs num_heads >= 1 and num_layers >= 1, got {self.num_heads}, {self.num_layers}")
         if self.lm_head not in ("shared", "own"):
             raise ValueError(f"drafter.lm_head must be 'shared' or 'own', got '{self.lm_head}'")
+        if self.conditioning not in CONDITIONING:
+            raise ValueError(f"drafter.conditioning must be one of {', '.join(CONDITIONING)}, got '{self.conditioning}'")
         if self.labels not in ("target", "data"):
             raise ValueError(f"drafter.labels must be 'target' or 'data', got '{self.labels}'")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
@@ -85,6 +97,10 @@ class Medusa(nn.Module):
             raise ValueError(f"draft_vocab_size={vocab} is larger than the target's vocabulary ({target.vocab_size})")
         self.blocks = nn.ModuleList(
             nn.Sequential(*[ResidualBlock(d) for _ in range(config.num_layers)]) for _ in range(config.num_heads))
+        offsets = {"none": 0, "root": 1, "path": config.num_heads}[config.conditioning]
+        self.token_proj = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(offsets))
+        for proj in self.token_proj:
+            nn.init.zeros_(proj.weight)               # starts as plain Medusa
         self.register_buffer("draft_to_target", torch.arange(vocab))
         if config.lm_head == "own":
             self.lm_heads = nn.ModuleList(nn.Linear(d, vocab, bias=False) for _ in range(config.num_heads))
@@ -152,16 +168,36 @@ class Medusa(nn.Module):
             self.__dict__["_packed_head"] = PackedLinear(linear)
         return self.__dict__["_packed_head"]
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [m, d] final target hidden states -> [k, m, v] draft-vocabulary logits."""
-        hidden = hidden.to(self.blocks[0][0].linear.weight.dtype)
-        states = torch.stack([block(hidden) for block in self.blocks])                  # [k, m, d]
+    def _project(self, states: torch.Tensor, head: int = 0) -> torch.Tensor:
+        """[..., d] outputs of head `head` (of every head, for a shared lm_head) -> [..., v] draft logits."""
+        if self.config.lm_head == "own":
+            return F.linear(states, self._projection(head))
         packed = self._decoding_head()
         if packed is not None:
-            return packed(states)                                                        # [k, m, v]
+            return packed(states)
+        weight = self._projection(0)
+        return torch.matmul(states.to(weight.dtype), weight.t())
+
+    def _inputs(self, hidden: torch.Tensor, following: torch.Tensor | None) -> torch.Tensor:
+        """[k, m, d]: head k's input, h_t plus the projected embeddings of the tokens it is conditioned on
+        (following [m, >= offsets]: tokens t+1, t+2, ... after each position)."""
+        k_heads, offsets = len(self.blocks), len(self.token_proj)
+        if not offsets:
+            return hidden.expand(k_heads, *hidden.shape)
+        if following is None:
+            raise ValueError(f"'{self.config.conditioning}'-conditioned heads need the tokens after every position")
+        embedded = self.target.embed_tokens(following[:, :offsets]).detach().to(hidden.dtype)     # [m, J, d]
+        terms = torch.stack([proj(embedded[:, j]) for j, proj in enumerate(self.token_proj)])     # [J, m, d]
+        return (hidden + terms.cumsum(0))[torch.arange(k_heads).clamp(max=offsets - 1)]
+
+    def head_logits(self, hidden: torch.Tensor, following: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [m, d] final target hidden states, following: [m, k] the tokens after each (conditioned
+        heads only; teacher-forced) -> [k, m, v] draft-vocabulary logits."""
+        hidden = hidden.to(self.blocks[0][0].linear.weight.dtype)
+        inputs = self._inputs(hidden, following)                                         # [k, m, d]
+        states = torch.stack([block(x) for block, x in zip(self.blocks, inputs)])         # [k, m, d]
         if self.config.lm_head == "shared":
-            weight = self._projection(0)
-            return torch.matmul(states.to(weight.dtype), weight.t())                     # one weight read for all heads
+            return self._project(states)                                                 # one weight read for all heads
         return torch.stack([F.linear(states[k], self._projection(k)) for k in range(len(self.blocks))])
 
     # -- training ----------------------------------------------------------------
@@ -180,6 +216,10 @@ class Medusa(nn.Module):
             chosen[needed] = torch.cat(picks) if picks else chosen[needed]
         return chosen
 
+    def _following(self, next_tokens: torch.Tensor, span: int) -> torch.Tensor:
+        """[b, span, k]: the k tokens after each position (next_tokens [b, >= span + k]: the token after each)."""
+        return torch.stack([next_tokens[:, j: j + span] for j in range(len(self.blocks))], dim=-1)
+
     def loss(self, batch: dict) -> StepOutput:
         """Medusa-1 loss: sum_k decay^k * CE(head k at t, token t+2+k) over assistant tokens."""
         hidden = batch["features"][self.target.num_layers]          # [b, s, d]
@@ -191,7 +231,7 @@ class Medusa(nn.Module):
         span = s - 2
         selected = loss_mask[:, 2:]                                              # [b, s-2] head 0 has a label
         states = hidden[:, :span][selected]                                      # [m, d]
-        logits = self.head_logits(states)                                        # [k, m, v]
+        logits = self.head_logits(states, self._following(next_tokens, span)[selected])   # [k, m, v]
         total = hidden.new_zeros((), dtype=torch.float32)
         correct = torch.zeros(k_heads, device=hidden.device)
         counted = torch.zeros(k_heads, device=hidden.device)
@@ -223,7 +263,7 @@ class Medusa(nn.Module):
         next_tokens = F.pad(self._next_tokens(batch), (0, k_heads + 2))
         label_mask = F.pad(loss_mask, (0, k_heads + 2))
         selected = loss_mask[:, 2:]
-        logits = self.head_logits(hidden[:, : s - 2][selected])
+        logits = self.head_logits(hidden[:, : s - 2][selected], self._following(next_tokens, s - 2)[selected])
         ranked = logits.topk(min(top, logits.shape[-1]), dim=-1).indices                # [k, m, top]
         hits = torch.zeros(k_heads, ranked.shape[-1])
         counted = torch.zeros(k_heads)
@@ -262,8 +302,32 @@ class Medusa(nn.Module):
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
         hidden = context.hidden[self.target.num_layers][-1:]                   # [1, d] at the last committed token
-        logits = self.head_logits(hidden)[:, 0]                                 # [k, v]
+        root = torch.tensor([[context.next_token]], device=hidden.device)
+        if self.config.conditioning == "path":
+            return self._propose_by_level(hidden, root)
+        logits = self.head_logits(hidden, root)[:, 0]                           # [k, v]
         candidates = logits.topk(self.tree.max_rank, dim=-1).indices            # [k, r]
         candidates = self.draft_to_target[candidates]
         tokens = candidates[self.tree.depths - 1, self.tree.ranks]              # [n]
         return DraftTree(tokens=tokens, parents=self.tree.parents)
+
+    def _propose_by_level(self, hidden: torch.Tensor, root: torch.Tensor) -> DraftTree:
+        """Path-conditioned heads: head L drafts the children of every depth-L node (the root is depth 0)
+        from h_t plus the projected embeddings of the tokens on the node's path."""
+        shape, dtype = self.tree, self.blocks[0][0].linear.weight.dtype
+        embed = self.target.embed_tokens
+        tokens = torch.zeros(shape.size, dtype=torch.long, device=hidden.device)
+        inputs = {-1: hidden[0].to(dtype) + self.token_proj[0](embed(root[0]).to(dtype))[0]}   # node -> [d]
+        for depth in range(1, shape.max_depth + 1):
+            nodes = (shape.depths == depth).nonzero().flatten().tolist()
+            parents = sorted({int(shape.parents[n]) for n in nodes})
+            states = self.blocks[depth - 1](torch.stack([inputs[p] for p in parents]))          # [m, d]
+            ranks = int(shape.ranks[nodes].max()) + 1
+            ranked = self.draft_to_target[self._project(states, depth - 1).topk(ranks, dim=-1).indices]  # [m, r]
+            row = {p: i for i, p in enumerate(parents)}
+            for n in nodes:
+                tokens[n] = ranked[row[int(shape.parents[n])], int(shape.ranks[n])]
+            if depth < shape.max_depth:
+                added = self.token_proj[depth](embed(tokens[nodes]).to(dtype))                  # [len(nodes), d]
+                inputs.update({n: inputs[int(shape.parents[n])] + added[i] for i, n in enumerate(nodes)})
+        return DraftTree(tokens=tokens, parents=shape.parents)

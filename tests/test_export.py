@@ -106,6 +106,11 @@ def test_export_refusals(tiny_target, tmp_path):
     eagle3_checkpoint(tiny_target, tmp_path / "e0", layer_ids=(0, 1, 2))
     with pytest.raises(ExportError, match="layer id 0"):
         export(tmp_path / "e0", "sglang", tmp_path / "x")
+    medusa_checkpoint(tiny_target, tmp_path / "path", num_heads=2, conditioning="path")
+    for fmt in ("vllm", "medusa-original"):
+        with pytest.raises(ExportError, match="path-conditioned Medusa heads"):
+            export(tmp_path / "path", fmt, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
 
 
 def test_damaged_checkpoint_and_wrong_target_are_refused(tiny_target, tmp_path):
