@@ -41,10 +41,11 @@ def test_bench_reports_every_category_with_plots_and_a_verdict(checkpoint, tmp_p
     out = tmp_path / "report"
     argv = ["bench", str(checkpoint), "--prompts", str(traffic_file(tmp_path / "traffic.jsonl")), "--limit", "2",
             "--repeats", "2", "--max-new-tokens", "8", "--cost-per-hour", "3.6", "--dtype", "float32",
-            "--device", "cpu", "--out", str(out)]
+            "--device", "cpu", "--out", str(out), "--lookup", "2"]
     assert main(argv) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["complete"] is True
+    assert "context lookup of 2" in report["proposal"]
     assert report["traffic"]["available"] == {"chat": 2, "code": 3, "uncategorized": 1}
     assert report["traffic"]["sampled"] == {"chat": 2, "code": 2, "uncategorized": 1}
     assert report["traffic"]["skipped_without_prompt"] == 1
@@ -108,6 +109,7 @@ def test_the_verdict_follows_the_speedup_interval(plain, spec, expected):
     (["--concurrency", "1,x"], "--concurrency takes whole numbers"),
     (["--concurrency", "4"], "the draftsmith engine serves one request at a time"),
     (["--engine", "sglang"], "--engine must be one of draftsmith, vllm"),
+    (["--engine", "vllm", "--lookup", "2"], "--lookup must be >= 0 and is draftsmith's own"),
     (["--engine", "vllm", "--vllm-python", "/nonexistent/python"], "--vllm-python '/nonexistent/python' is not a file"),
 ])
 def test_bad_bench_settings_are_one_clear_line(checkpoint, tmp_path, capsys, flags, message):
