@@ -332,7 +332,7 @@ def run_draftsmith(checkpoint: str, target_path: str, settings: BenchSettings, p
     from draftsmith.heads.drafter import load_drafter
     from draftsmith.heads.target import Target, resolve_dtype
 
-    from .benchmark import configure_proposal, with_lookup
+    from .proposal import configure_proposal, with_lookup
     from .settings import EvalSettings
     from .verifier import decode
 
