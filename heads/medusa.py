@@ -188,7 +188,7 @@ class Medusa(nn.Module):
             raise ValueError(f"'{self.config.conditioning}'-conditioned heads need the tokens after every position")
         embedded = self.target.embed_tokens(following[:, :offsets]).detach().to(hidden.dtype)     # [m, J, d]
         terms = torch.stack([proj(embedded[:, j]) for j, proj in enumerate(self.token_proj)])     # [J, m, d]
-        return (hidden + terms.cumsum(0))[torch.arange(k_heads).clamp(max=offsets - 1)]
+        return (hidden + terms.cumsum(0))[torch.arange(k_heads, device=hidden.device).clamp(max=offsets - 1)]
 
     def head_logits(self, hidden: torch.Tensor, following: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [m, d] final target hidden states, following: [m, k] the tokens after each (conditioned

@@ -125,7 +125,7 @@ def tiny_stages(work: Path, device, gpus: int, results: list) -> None:
         from draftsmith.eval.benchmark import evaluate as run_eval
         report = run_eval(str(work / method / "checkpoint"), EvalOptions(
             prompts=str(work / "chats.jsonl"), limit=4, max_new_tokens=32, baselines=("plain", "generate"),
-            exact_prompts=4, device=str(device)), progress=False)
+            exact_prompts=4, device=str(device), lookup=2), progress=False)
         if not report.greedy_exact:
             raise AssertionError(f"speculative greedy differs from plain greedy in fp32 ({report.first_mismatch})")
         rates = " ".join(f"{m} {r:.0f}" for m, r in report.tokens_per_second.items())
