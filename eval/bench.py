@@ -332,16 +332,14 @@ def run_draftsmith(checkpoint: str, target_path: str, settings: BenchSettings, p
     from draftsmith.heads.drafter import load_drafter
     from draftsmith.heads.target import Target, resolve_dtype
 
-    from .proposal import configure_proposal, with_lookup
+    from .proposal import configure_proposal
     from .settings import EvalSettings
     from .verifier import decode
 
     device = resolve_device(settings.device)
     target = Target.load(target_path, resolve_dtype(settings.dtype, device), device)
     drafter = load_drafter(checkpoint, target).to(target.dtype)
-    options = EvalSettings(device=str(device), lookup=settings.lookup)
-    configure_proposal(drafter, target, options)
-    drafter = with_lookup(drafter, options)
+    drafter = configure_proposal(drafter, target, EvalSettings(device=str(device), lookup=settings.lookup))
     proposal = drafter.describe_proposal()
     traffic = load_traffic(target.tokenizer, settings.traffic, settings.limit, settings.seed, settings.max_new_tokens)
     decode(target, traffic.requests[0].prompt, 8)                   # warm-up: both modes once, untimed

@@ -26,7 +26,7 @@ from draftsmith.heads.drafter import load_drafter
 from draftsmith.heads.target import Target, resolve_dtype
 
 from . import metrics
-from .proposal import configure_proposal, step_costs, with_lookup
+from .proposal import configure_proposal, step_costs
 from .settings import EvalSettings
 from .verifier import decode
 
@@ -167,13 +167,7 @@ class ExactCheck:
 def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOptions, count: int) -> ExactCheck:
     """fp32: speculative greedy equals plain greedy token for token, on the first `count` prompts."""
     target32 = Target.load(target_path, "float32", resolve_device(options.device))
-    drafter32 = load_drafter(checkpoint, target32).float()
-    if options.tree_depth_topk_total and options.proposal != "chain":
-        from draftsmith.heads.dynamic_tree import TreeSettings
-        drafter32.set_proposal(tree=TreeSettings(*options.tree_depth_topk_total))
-    else:
-        configure_proposal(drafter32, target32, options)
-    drafter32 = with_lookup(drafter32, options)
+    drafter32 = configure_proposal(load_drafter(checkpoint, target32).float(), target32, options)
     accepted = []
     for prompt_id, prompt in prompts[:count]:
         plain = decode(target32, prompt, options.max_new_tokens)
@@ -194,8 +188,7 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
     dtype = resolve_dtype(options.dtype, device)
     target = Target.load(target_path, dtype, device)
     drafter = load_drafter(checkpoint, target).to(target.dtype)     # fp32 beside a CPU float16 (packed) target
-    configure_proposal(drafter, target, options)
-    drafter = with_lookup(drafter, options)
+    drafter = configure_proposal(drafter, target, options)
     description = drafter.describe_proposal()
     prompts = load_prompts(target, options.prompts, options.limit)
     # warm-up: every mode once, untimed (first calls allocate, and on a GPU load kernels)

@@ -15,18 +15,23 @@ from .verifier import decode
 log = logging.getLogger(__name__)
 
 
-def configure_proposal(drafter, target: Target, options: EvalSettings) -> str:
-    """Set the drafter's proposal shape; returns its description."""
+def configure_proposal(drafter, target: Target, options: EvalSettings):
+    """Set the drafter's proposal shape and return the drafter to decode with: the same one, or wrapped with
+    the context lookup when options.lookup asks for it.  A shape tuned here is written back into options
+    (tree_size, tree_depth_topk_total), so a second call, the fp32 exactness check's, reuses it."""
     if options.proposal == "chain" or (options.proposal == "default" and getattr(drafter, "prefers_chain", False)):
         drafter.set_proposal(chain=options.chain_length)
     elif hasattr(drafter, "default_tree"):        # static trees (Medusa)
-        options.tree_size = options.tree_size or tune_tree_size(drafter, target, options.lookup)   # the fp32 check reuses it
+        options.tree_size = options.tree_size or tune_tree_size(drafter, target, options.lookup)
         drafter.set_proposal(tree=drafter.default_tree(options.tree_size))
+    elif options.tree_depth_topk_total:           # a dynamic tree tuned by an earlier call
+        from draftsmith.heads.dynamic_tree import TreeSettings
+        drafter.set_proposal(tree=TreeSettings(*options.tree_depth_topk_total))
     elif options.tree_size is None and options.proposal == "default":   # dynamic trees: measured here
         drafter.set_proposal(tree=tune_dynamic_tree(drafter, target, options))
     else:
         drafter.set_proposal(tree_size=options.tree_size)
-    return drafter.describe_proposal()
+    return with_lookup(drafter, options)
 
 
 def block_cost(target: Target, sizes: list[int], context: int = 200, repeats: int = 5) -> dict[int, float]:

@@ -60,6 +60,7 @@ def decode(target: Target, prompt: list[int], max_new_tokens: int, drafter=None,
     result.first_token_seconds = time.perf_counter() - start_time
     stops = set(target.eos_token_ids)
     context = None
+    observe = getattr(drafter, "observe", None)     # drafters that count what was accepted (heads/lookup.py)
     if drafter is not None:
         drafter.reset()
         context = DraftContext(tokens=prompt_ids[0], hidden={i: h[0] for i, h in out.hidden_states.items()},
@@ -80,8 +81,8 @@ def decode(target: Target, prompt: list[int], max_new_tokens: int, drafter=None,
             cache.keep(start, torch.tensor([start + r for r in kept_rows], device=device))
         new_tokens = [int(tree.tokens[c]) for c in verdict.path] + [verdict.bonus]
         result.accepted.append(len(verdict.path))
-        if hasattr(drafter, "observe"):       # drafters that keep statistics of what was accepted
-            drafter.observe(verdict.path)
+        if observe is not None:
+            observe(verdict.path)
         for token in new_tokens:
             result.tokens.append(token)
             if token in stops or len(result.tokens) >= max_new_tokens:

@@ -61,8 +61,9 @@ class WithLookup:
             raise ValueError(f"context lookup needs length >= 1 and max_ngram >= 1, got {length}, {max_ngram}")
         self.drafter, self.length, self.max_ngram = drafter, length, max_ngram
         self.history: list[int] = []
-        self.accepted = {"drafter": 0, "lookup": 0}    # accepted draft tokens by who proposed them (the drafter
-        self._own = 0                                    # also when both did); nodes of the drafter's last tree
+        # accepted draft tokens by who proposed them ("drafter" also when both did)
+        self.accepted = {"drafter": 0, "lookup": 0}
+        self._own = 0                   # nodes of the drafter's own last tree: they come first in the merged one
 
     def __getattr__(self, name):        # everything else (required_layers, kind, metadata, ...) is the drafter's
         if name == "drafter":           # not set yet (a copy in the making): no recursion

@@ -198,7 +198,7 @@ class Medusa(nn.Module):
         states = torch.stack([block(x) for block, x in zip(self.blocks, inputs)])         # [k, m, d]
         if self.config.lm_head == "shared":
             return self._project(states)                                                 # one weight read for all heads
-        return torch.stack([F.linear(states[k], self._projection(k)) for k in range(len(self.blocks))])
+        return torch.stack([self._project(states[k], k) for k in range(len(self.blocks))])
 
     # -- training ----------------------------------------------------------------
     def _next_tokens(self, batch: dict) -> torch.Tensor:
