@@ -49,6 +49,29 @@ def test_greedy_output_with_the_lookup_is_plain_greedy_and_accepts_from_both(tin
     assert merged.accepted["lookup"] > 0 and sum(merged.accepted.values()) == total
 
 
+class SilentDrafter:
+    """Proposes nothing: whatever is accepted, the lookup proposed."""
+
+    required_layers = ()
+
+    def reset(self):
+        pass
+
+    def propose(self, context):
+        return DraftTree(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long))
+
+    def describe_proposal(self):
+        return "nothing"
+
+
+def test_accepted_tokens_are_credited_to_whoever_proposed_them(tiny_target):
+    merged = WithLookup(SilentDrafter(), length=4)
+    prompt = [7, 8, 9, 10, 11] * 3
+    spec = decode(tiny_target, prompt, 40, drafter=merged)
+    assert spec.tokens == decode(tiny_target, prompt, 40).tokens
+    assert merged.accepted == {"drafter": 0, "lookup": sum(spec.accepted)} and sum(spec.accepted) > 0
+
+
 def test_sampling_with_the_lookup_keeps_the_target_distribution(small_vocab_target):
     target = small_vocab_target
     target.eos_token_ids = []
