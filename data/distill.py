@@ -137,6 +137,8 @@ def fingerprint(settings: DataSettings, seed: int, target_identity: dict) -> str
         keys.pop(key)
     keys["seed"] = seed
     keys["target"] = target_identity["weights_sha256"]
+    if target_identity.get("adapter_sha256"):      # a LoRA adapter on the target (absent: the fingerprints of old data)
+        keys["target_adapter"] = target_identity["adapter_sha256"]
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -40,17 +40,14 @@ def resolve_recipe(name: str) -> Path:
 
 
 def cmd_data(args) -> dict:
-    from draftsmith.heads.device import resolve_device
     from draftsmith.heads.files import DirectoryLock, require_writable
-    from draftsmith.heads.target import Target
     from draftsmith.train.batches import make_recipe_data
     from draftsmith.train.settings import load_recipe
 
     recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
     require_writable(recipe.out, "output_dir")
     with DirectoryLock(recipe.out, "data run"):
-        target = Target.load(recipe.target.path, recipe.target.dtype, resolve_device(recipe.target.device),
-                             trust_remote_code=recipe.target.trust_remote_code)
+        target = recipe.target.load()
         report = make_recipe_data(recipe, target)
     print(f"data: {report.conversations} conversations, {report.training_tokens} tokens "
           f"({report.assistant_tokens} reply tokens) in {recipe.out / 'data'}; generated {report.generated_tokens} "
@@ -74,7 +71,7 @@ def cmd_train(args) -> dict:
 
 
 EVAL_KEYS = ("prompts", "limit", "max_new_tokens", "temperature", "top_p", "rule", "dtype", "baselines",
-             "exact_prompts", "seed", "cost_per_hour", "target", "device", "max_minutes", "lookup")   # flag names = keys
+             "exact_prompts", "seed", "cost_per_hour", "target", "adapter", "device", "max_minutes", "lookup")   # flag names = keys
 
 
 def eval_settings(args):
@@ -130,7 +127,6 @@ def _quickstart(recipe, start: float) -> dict:
     from draftsmith.eval.benchmark import evaluate
     from draftsmith.eval.report import markdown, write_json
     from draftsmith.heads.device import resolve_device
-    from draftsmith.heads.target import Target
     from draftsmith.train.batches import make_recipe_data
     from draftsmith.train.checkpointing import set_aside
     from draftsmith.train.loop import fit
@@ -139,7 +135,7 @@ def _quickstart(recipe, start: float) -> dict:
     if not recipe.resume and (aside := set_aside(recipe.out / "checkpoint")):
         print(f"   the earlier quickstart's checkpoint is kept, moved to {aside}", flush=True)
     device = resolve_device(recipe.target.device)
-    target = Target.load(recipe.target.path, recipe.target.dtype, device, trust_remote_code=recipe.target.trust_remote_code)
+    target = recipe.target.load(device)
     print(f"== 1/3 data ({recipe.data.mode}): the target labels its training data (at most "
           f"{recipe.data.max_minutes} min)", flush=True)
     data = make_recipe_data(recipe, target)
@@ -175,7 +171,7 @@ def cmd_bench(args) -> dict:
     settings = BenchSettings(traffic=",".join(args.prompts), limit=args.limit, max_new_tokens=args.max_new_tokens,
                              temperatures=tuple(args.temperature), repeats=args.repeats,
                              cost_per_hour=args.cost_per_hour, seed=args.seed, dtype=args.dtype,
-                             device=args.device, target=args.target, engine=engine, concurrency=concurrency,
+                             device=args.device, target=args.target, adapter=args.adapter, engine=engine, concurrency=concurrency,
                              vllm_python=args.vllm_python, num_speculative_tokens=args.num_speculative_tokens,
                              endpoint=args.endpoint, baseline_endpoint=args.baseline_endpoint, lookup=args.lookup)
     out = Path(args.out)
@@ -218,6 +214,7 @@ def _bench_parser(sub) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--target", default=None, help="target path (default: the one the checkpoint names)")
+    p.add_argument("--adapter", default=None, help="LoRA adapter on the target (default: the checkpoint's; none: bare)")
     p.add_argument("--out", default="bench", help="report directory (default ./bench)")
     p.add_argument("--engine", default=None, help="draftsmith (default: its verifier, batch 1), vllm (your serving "
                    "stack: the checkpoint is exported and served with and without the drafter), or endpoint "
@@ -272,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", default=S)
     p.add_argument("--cost-per-hour", default=S, help="machine price, for cost per request")
     p.add_argument("--target", default=S, help="target path (default: the one the checkpoint names)")
+    p.add_argument("--adapter", default=S,
+                   help="LoRA adapter on the target (default: the one the checkpoint was trained with; none: bare)")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--device", default=S, help="auto (default: cuda when present, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--max-minutes", default=S,

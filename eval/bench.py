@@ -147,6 +147,7 @@ class BenchSettings:
     dtype: str = "auto"
     device: str = "auto"
     target: str | None = None
+    adapter: str | None = None                # LoRA adapter on the target (default: the checkpoint's; none: bare)
     engine: str = "draftsmith"
     concurrency: tuple[int, ...] = (1,)
     vllm_python: str | None = None
@@ -285,6 +286,10 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     target_path = settings.target or config.get("target_source") or config["target"]["name"]
+    if settings.engine != "draftsmith" and (settings.adapter or config.get("target_adapter")):
+        raise BenchError(f"the target has a LoRA adapter ({settings.adapter or config['target_adapter']}): "
+                         f"--engine {settings.engine} would serve the bare base without it; bench this drafter with "
+                         "--engine draftsmith")
     progress = _progress_bar if show_progress else None      # made once the number of requests is known
     if settings.engine == "vllm":
         from .bench_vllm import run_vllm
@@ -329,15 +334,16 @@ def _progress_bar(total: int):
 def run_draftsmith(checkpoint: str, target_path: str, settings: BenchSettings, progress=None) -> dict:
     """draftsmith's verifier at batch 1: load the target and drafter here, warm up, sweep."""
     from draftsmith.heads.device import resolve_device
-    from draftsmith.heads.drafter import load_drafter
-    from draftsmith.heads.target import Target, resolve_dtype
+    from draftsmith.heads.drafter import checkpoint_target, load_drafter, read_config
+    from draftsmith.heads.target import resolve_dtype
 
     from .proposal import configure_proposal
     from .settings import EvalSettings
     from .verifier import decode
 
     device = resolve_device(settings.device)
-    target = Target.load(target_path, resolve_dtype(settings.dtype, device), device)
+    target = checkpoint_target(read_config(checkpoint), resolve_dtype(settings.dtype, device), device, target_path,
+                               settings.adapter)
     drafter = load_drafter(checkpoint, target).to(target.dtype)
     drafter = configure_proposal(drafter, target, EvalSettings(device=str(device), lookup=settings.lookup))
     proposal = drafter.describe_proposal()

@@ -22,7 +22,7 @@ import torch
 from draftsmith.data import sources
 from draftsmith.data.chat import prompt_ids
 from draftsmith.heads.device import resolve_device, synchronize
-from draftsmith.heads.drafter import load_drafter
+from draftsmith.heads.drafter import checkpoint_target, load_drafter, read_config
 from draftsmith.heads.target import Target, resolve_dtype
 
 from . import metrics
@@ -166,7 +166,8 @@ class ExactCheck:
 
 def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOptions, count: int) -> ExactCheck:
     """fp32: speculative greedy equals plain greedy token for token, on the first `count` prompts."""
-    target32 = Target.load(target_path, "float32", resolve_device(options.device))
+    target32 = checkpoint_target(read_config(checkpoint), "float32", resolve_device(options.device), target_path,
+                                 options.adapter)
     drafter32 = configure_proposal(load_drafter(checkpoint, target32).float(), target32, options)
     accepted = []
     for prompt_id, prompt in prompts[:count]:
@@ -179,14 +180,12 @@ def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOpt
 
 
 def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> EvalReport:
-    from draftsmith.heads.drafter import read_config
-
     options = dataclasses.replace(options)        # the tuners and the time budget adjust a copy
     config = read_config(checkpoint)
     target_path = options.target or config.get("target_source") or config["target"]["name"]
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
-    target = Target.load(target_path, dtype, device)
+    target = checkpoint_target(config, dtype, device, target_path, options.adapter)
     drafter = load_drafter(checkpoint, target).to(target.dtype)     # fp32 beside a CPU float16 (packed) target
     drafter = configure_proposal(drafter, target, options)
     description = drafter.describe_proposal()

@@ -50,6 +50,8 @@ class EvalSettings:
     """Machine price per hour, for the cost per request (> 0)."""
     target: str | None = None
     """Target path (default: the one the checkpoint names)."""
+    adapter: str | None = None
+    """LoRA adapter on the target (default: the one the checkpoint was trained with; none: the bare target)."""
     device: str = "auto"
     """auto (cuda when present, else cpu), cpu, cuda or cuda:N."""
     max_minutes: float | None = None

@@ -27,8 +27,8 @@ from .files import save_tensors_atomic, sha256_file, write_atomic
 from .target import Target, TargetError, TargetIdentity
 
 CONFIG_FILE = "config.json"
-RESERVED = ("kind", "draftsmith_version", "target", "target_source", "target_architecture", "target_layer_ids",
-            "drafter", "architecture", "weights_sha256")
+RESERVED = ("kind", "draftsmith_version", "target", "target_source", "target_adapter", "target_architecture",
+            "target_layer_ids", "drafter", "architecture", "weights_sha256")
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -87,6 +87,7 @@ def save_drafter(drafter, directory: Path, extra: dict | None = None, state: dic
         "draftsmith_version": __version__,
         "target": drafter.target_identity.to_dict(),
         "target_source": getattr(drafter.target, "source", drafter.target_identity.name),
+        "target_adapter": str(adapter.path) if (adapter := getattr(drafter.target, "adapter", None)) else None,
         "target_architecture": ((getattr(model_config, "architectures", None) or [None])[0]
                                 or type(drafter.target.model).__name__),
         "target_layer_ids": list(getattr(drafter, "layer_ids", drafter.required_layers)),
@@ -142,6 +143,14 @@ def read_weights(directory: Path, config: dict | None = None) -> dict:
     except Exception as err:     # safetensors raises its own error type for a truncated or garbled file
         raise CheckpointError(f"damaged checkpoint: {weights} cannot be read ({err}); restore it from a copy or "
                               "train again") from None
+
+
+def checkpoint_target(config: dict, dtype, device, path: str | None = None, adapter: str | None = None) -> Target:
+    """The target a checkpoint was trained against, or `path`; with the checkpoint's LoRA adapter, or
+    `adapter` ('none': the bare target)."""
+    path = path or config.get("target_source") or config["target"]["name"]
+    adapter = config.get("target_adapter") if adapter is None else (None if adapter == "none" else adapter)
+    return Target.load(path, dtype, device, adapter=adapter)
 
 
 def load_drafter(directory: Path, target: Target):

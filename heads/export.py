@@ -106,6 +106,8 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
     target = _target_for(config, target_path, dtype, device) if _needs_target(config, fmt) or target_path else None
     from . import export_formats
     tensors, files = export_formats.WRITERS[(kind, fmt)](config, weights, target, _dtype(dtype), checkpoint)
+    if config.get("target_adapter") and "README.md" in files:
+        files["README.md"] += adapter_note(config)
     tmp = out_dir.with_name(out_dir.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -116,6 +118,37 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / filename), metadata={"format": "pt"})
     swap_directory(tmp, out_dir)
     return out_dir
+
+
+def adapter_note(config: dict) -> str:
+    """How to serve a drafter trained against base + LoRA adapter: merged, or with vLLM's LoRA support."""
+    base = config.get("target_source") or config["target"]["name"]
+    adapter = config["target_adapter"]
+    return f"""
+## The target carries a LoRA adapter
+
+This drafter was trained against `{base}` with the LoRA adapter `{adapter}` (sha256 prefix
+`{config["target"].get("adapter_sha256", "")}`), not against the bare base: serve the adapted model, or
+it drafts for the wrong distribution.
+
+1. **Merged** (any serving stack, the base's speed): merge once, then serve the merged directory
+   as the target with the speculative config above.
+
+   ```python
+   from peft import PeftModel
+   from transformers import AutoModelForCausalLM
+   base = AutoModelForCausalLM.from_pretrained("BASE_MODEL_DIR")
+   PeftModel.from_pretrained(base, "{adapter}").merge_and_unload().save_pretrained("MERGED_DIR")
+   ```
+
+2. **vLLM with the LoRA enabled**: `vllm serve BASE_MODEL_DIR --enable-lora --lora-modules
+   adapted={adapter} --speculative-config '...'`, and requests name `"model": "adapted"`. The
+   adapter applies to the target only, never to the drafter. vLLM's V1 engine accepts LoRA together
+   with speculative decoding on GPUs (vllm-project/vllm#21068); its feature matrix marks the pair as
+   partly supported, with EAGLE-3 the tested method, and `ngram` with LoRA was reported to crash
+   under concurrent requests (vllm-project/vllm#20284). Check acceptance on your own traffic
+   (`draftsmith bench`) before relying on it.
+"""
 
 
 EXPORT_MARK = "draftsmith-export.json"     # what marks a directory as an export that --overwrite may replace
@@ -148,10 +181,10 @@ def _target_for(config: dict, target_path: str | None, dtype: str, device: str):
     """The target, for its identity and the matrices an export carries: in bf16 on the resolved device
     for a bf16 export (no precision lost), in fp32 for fp32/fp16 exports."""
     from .device import resolve_device
-    from .target import Target, TargetIdentity
+    from .drafter import checkpoint_target
+    from .target import TargetIdentity
 
     load_dtype = "bfloat16" if dtype == "bfloat16" else "float32"
-    target = Target.load(target_path or config.get("target_source") or config["target"]["name"], load_dtype,
-                         resolve_device(device))
+    target = checkpoint_target(config, load_dtype, resolve_device(device), target_path)
     TargetIdentity.from_dict(config["target"]).require_same(target.identity, "the checkpoint")
     return target

@@ -8,6 +8,7 @@ before the norm as `hidden_states[N]`, so layer N is always taken from
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from dataclasses import MISSING, asdict, dataclass
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from . import engine
+from .adapter import Adapter
 from .assets import resolve_target_path
 from .device import resolve_device
 
@@ -38,6 +40,7 @@ class TargetIdentity:
     num_layers: int
     weights_sha256: str  # of the embedding and lm_head, whole, in bf16
     layers_sha256: str = ""  # of a strided sample (256 values) of every parameter, in bf16 ("" in old checkpoints)
+    adapter_sha256: str = ""  # of the LoRA adapter on the base (heads/adapter.py); "" = none
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,6 +58,9 @@ class TargetIdentity:
         diffs = [f"{f}: {getattr(self, f)} vs {getattr(other, f)}" for f in fields if getattr(self, f) != getattr(other, f)]
         if diffs == [f"layers_sha256: {self.layers_sha256} vs {other.layers_sha256}"]:
             diffs[0] += " (same embedding and lm_head, other layer weights: a fine-tune of the same base?)"
+        if self.adapter_sha256 != other.adapter_sha256:
+            diffs.append(f"LoRA adapter: {self.adapter_sha256 or 'none'} vs {other.adapter_sha256 or 'none'} "
+                         "(target.adapter=DIR puts one on the target; eval and bench take --adapter DIR|none)")
         if diffs:
             raise TargetError(
                 f"{what} was made for target '{self.name}' but the loaded target is '{other.name}' "
@@ -128,27 +134,37 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -
     return getattr(torch, name)
 
 
-class Target:
-    """A frozen Hugging Face causal LM with what drafters need from it."""
+def _text_config(model: nn.Module):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
-    def __init__(self, model: nn.Module, tokenizer, name: str):
+
+def base_identity(model: nn.Module, name: str) -> TargetIdentity:
+    """The identity of a model without an adapter."""
+    config = _text_config(model)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return TargetIdentity(
+        name=name, model_type=str(config.model_type), vocab_size=int(head.weight.shape[0]),
+        hidden_size=int(config.hidden_size), num_layers=int(config.num_hidden_layers),
+        weights_sha256=_weights_hash(embed.weight, head.weight), layers_sha256=_sampled_hash(model))
+
+
+class Target:
+    """A frozen Hugging Face causal LM (with its LoRA adapter, if any) with what drafters need from it."""
+
+    def __init__(self, model: nn.Module, tokenizer, name: str, identity: TargetIdentity | None = None):
+        """identity: given when `model` carries a LoRA adapter (the base's hashes and the adapter's)."""
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.config = config
-        self.num_layers = int(config.num_hidden_layers)
-        self.hidden_size = int(config.hidden_size)
+        self.config = _text_config(model)
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.hidden_size = int(self.config.hidden_size)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.decoder = model.get_decoder()
         self.embed_tokens: nn.Module = model.get_input_embeddings()
         self.lm_head: nn.Module = model.get_output_embeddings()
-        self.identity = TargetIdentity(
-            name=name, model_type=str(config.model_type), vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size, num_layers=self.num_layers,
-            weights_sha256=_weights_hash(self.embed_tokens.weight, self.lm_head.weight),
-            layers_sha256=_sampled_hash(model),
-        )
+        self.identity = identity or base_identity(model, name)
+        self.adapter: Adapter | None = None                    # set by load()
         self.eos_token_ids = self._eos_ids()
         self.source = name
         self.precision = str(self.dtype).replace("torch.", "")     # what the forwards compute in
@@ -156,14 +172,17 @@ class Target:
     # -- loading ---------------------------------------------------------------
     @classmethod
     def load(cls, path: str = "smollm2-135m", dtype: str | torch.dtype = "auto",
-             device: str | torch.device | None = "auto", trust_remote_code: bool = False) -> Target:
+             device: str | torch.device | None = "auto", trust_remote_code: bool = False,
+             adapter: str | Path | None = None, merge_adapter: bool = True) -> Target:
         """Load a target from a local HF directory, a hub id in the local cache, a .gguf file or 'smollm2-135m'.
 
         device: 'auto' (cuda when present, else cpu), or a device name (heads/device.py);
-        dtype 'auto' is bf16 where that device computes it natively."""
+        dtype 'auto' is bf16 where that device computes it natively; adapter: a peft LoRA directory
+        put on the model (merged into its weights unless merge_adapter is false)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         device = resolve_device(device)
+        lora = Adapter.read(adapter, merge_adapter) if adapter else None      # checked before the model loads
         model_dir, name = resolve_target_path(path, trust_remote_code=trust_remote_code)
         _require_causal_lm(Path(model_dir), path)
         torch_dtype = resolve_dtype(dtype, device)
@@ -177,6 +196,10 @@ class Target:
             raise TargetError(f"target '{path}' ({model_dir}) does not load as a causal LM: {err}") from err
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code, local_files_only=True)
         model = model.to(device)
+        identity = None
+        if lora is not None:
+            identity = dataclasses.replace(base_identity(model, name), adapter_sha256=lora.sha256)
+            model = lora.apply(model, name)
         precision = str(torch_dtype).replace("torch.", "")
         if packed:
             from .cpu_linear import fbgemm_fp16_available, pack_linears
@@ -186,7 +209,8 @@ class Target:
             else:
                 log.warning("float16 on this CPU needs FBGEMM, which this PyTorch lacks: using float32")
                 precision = "float32"
-        target = cls(model, tokenizer, name)
+        target = cls(model, tokenizer, name, identity)
+        target.adapter = lora
         target.precision = precision
         # where it came from, to find it again (an embedded name, or an absolute local path)
         target.source = path if not Path(path).expanduser().exists() else str(Path(path).expanduser().resolve())

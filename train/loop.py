@@ -156,8 +156,7 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
 def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> TrainReport:
     torch.manual_seed(recipe.seed)
     if target is None:
-        target = Target.load(recipe.target.path, recipe.target.dtype, accelerator.device,
-                             recipe.target.trust_remote_code)
+        target = recipe.target.load(accelerator.device)
     elif not same_device(target.device, accelerator.device):
         raise ValueError(f"the target given to fit() is on {target.device} but training runs on "
                          f"{accelerator.device}: load it with device={str(accelerator.device)!r}")

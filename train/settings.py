@@ -34,6 +34,10 @@ class TargetSettings:
     """Where the target, drafter and data live: auto (cuda when present, else cpu), cpu, cuda or cuda:N."""
     trust_remote_code: bool = False
     """Run the model repository's own code (only if you trust it)."""
+    adapter: str | None = None
+    """A peft LoRA adapter directory on the target (base + adapter is the target everywhere); null = none."""
+    merge_adapter: bool = True
+    """Merge the adapter into the weights (same outputs, the base's speed); false keeps peft's LoRA layers."""
 
     def __post_init__(self):
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -43,6 +47,21 @@ class TargetSettings:
             resolve_device(self.device)
         except DeviceError as err:
             raise RecipeError(f"target.device: {err}") from None
+        if self.adapter is not None:
+            from draftsmith.heads.adapter import Adapter, AdapterError
+            try:
+                Adapter.read(self.adapter)                  # a bad adapter is named before anything loads
+            except AdapterError as err:
+                raise RecipeError(str(err)) from None
+
+    def load(self, device=None):
+        """The target these settings describe, on `device` (default: target.device)."""
+        from draftsmith.heads.device import resolve_device
+        from draftsmith.heads.target import Target
+
+        return Target.load(self.path, self.dtype, resolve_device(self.device if device is None else device),
+                           trust_remote_code=self.trust_remote_code, adapter=self.adapter,
+                           merge_adapter=self.merge_adapter)
 
 
 @dataclass
