@@ -189,7 +189,7 @@ def cmd_export(args) -> dict:
     from draftsmith.heads.export import export
 
     written = export(args.checkpoint, args.to, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
-                     target_path=args.target, device=args.device)
+                     target_path=args.target, device=args.device, with_target=args.with_target)
     print(f"exported {args.checkpoint} as {args.to} to {written}")
     return {"out_dir": str(written)}
 
@@ -289,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--target", default=None, help="check the checkpoint against this target")
+    p.add_argument("--with-target", action="store_true",
+                   help="also write the target as a Hugging Face directory in OUT_DIR/target (with its LoRA adapter "
+                        "merged, if it has one): what to serve beside the drafter")
     p.add_argument("--device", default="auto", help="where the target's identity is checked (auto, cpu, cuda)")
     return parser
 

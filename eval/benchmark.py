@@ -89,6 +89,7 @@ class EvalReport:
                                              # (alone or with the lookup) and the lookup alone
     exact_text_tau: dict | None = None       # tau on the fp32-checked prompts: in fp32 (plain decoding's own text)
                                              # and in the timed dtype, whose text may part from it at a near-tie
+    drift: dict | None = None                # Medusa-2: the adapted target against the original (eval/drift.py)
     per_prompt: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -227,6 +228,10 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
     report.dtype = target.precision
     if options.lookup:
         report.accepted_by_source = dict(drafter.accepted)
+    if "medusa2" in config and config.get("target_adapter"):         # trained the backbone: not the original's
+        from .drift import drift
+        original = checkpoint_target(config, dtype, device, options.target, adapter="none")
+        report.drift = drift(target, original, prompts[:max(exact_count, 1)], options.max_new_tokens)
     return report
 
 

@@ -51,6 +51,11 @@ def markdown(report: EvalReport) -> str:
                      f"{by['lookup']} only the context lookup proposed ({by['lookup'] / total:.0%})")
     if report.bf16_token_agreement is not None:
         lines.append(f"- token agreement with plain decoding in the same precision: {report.bf16_token_agreement:.3f}")
+    if report.drift:
+        d = report.drift
+        lines.append(f"- drift from the original model (Medusa-2 trained the backbone; {d['prompts']} prompts, greedy): "
+                     f"token agreement {d['token_agreement']:.3f}, mean KL {d['mean_kl']:.4f} nats/token, "
+                     f"identical replies {d['identical_replies']:.0%}")
     if report.cost_per_request:
         lines.append("- cost per request: " + ", ".join(f"{MODE_NAMES.get(m, m)} {c:.6f}"
                                                           for m, c in report.cost_per_request.items()))

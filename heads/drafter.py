@@ -30,6 +30,7 @@ CONFIG_FILE = "config.json"
 RESERVED = ("kind", "draftsmith_version", "target", "target_source", "target_adapter", "target_architecture",
             "target_layer_ids", "drafter", "architecture", "weights_sha256")
 WEIGHTS_FILE = "model.safetensors"
+ADAPTER_IN_CHECKPOINT = "adapter"      # target_adapter relative to the checkpoint: a LoRA trained with it
 
 
 class CheckpointError(ValueError):
@@ -67,8 +68,9 @@ def registry() -> dict:
     from .eagle import Eagle
     from .eagle3 import Eagle3
     from .medusa import Medusa
+    from .medusa2 import Medusa2
 
-    return {cls.kind: cls for cls in (Medusa, Eagle, Eagle3)}
+    return {cls.kind: cls for cls in (Medusa, Medusa2, Eagle, Eagle3)}
 
 
 def save_drafter(drafter, directory: Path, extra: dict | None = None, state: dict | None = None) -> None:
@@ -80,14 +82,20 @@ def save_drafter(drafter, directory: Path, extra: dict | None = None, state: dic
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in (state or drafter.state_dict()).items()}
-    save_tensors_atomic(state, directory / WEIGHTS_FILE, metadata={"format": "pt", "kind": drafter.kind})
+    kind = getattr(drafter, "checkpoint_kind", drafter.kind)        # Medusa-2 heads load as Medusa
+    save_tensors_atomic(state, directory / WEIGHTS_FILE, metadata={"format": "pt", "kind": kind})
     model_config = getattr(getattr(drafter.target, "model", None), "config", None)
+    identity, adapter = drafter.target_identity, getattr(drafter.target, "adapter", None)
+    adapter = str(adapter.path) if adapter else None
+    if hasattr(drafter, "save_adapter"):        # the LoRA it trained, beside it: base + that is its target
+        identity = dataclasses.replace(identity, adapter_sha256=drafter.save_adapter(directory))
+        adapter = ADAPTER_IN_CHECKPOINT
     config = {
-        "kind": drafter.kind,
+        "kind": kind,
         "draftsmith_version": __version__,
-        "target": drafter.target_identity.to_dict(),
+        "target": identity.to_dict(),
         "target_source": getattr(drafter.target, "source", drafter.target_identity.name),
-        "target_adapter": str(adapter.path) if (adapter := getattr(drafter.target, "adapter", None)) else None,
+        "target_adapter": adapter,
         "target_architecture": ((getattr(model_config, "architectures", None) or [None])[0]
                                 or type(drafter.target.model).__name__),
         "target_layer_ids": list(getattr(drafter, "layer_ids", drafter.required_layers)),
@@ -124,6 +132,8 @@ def read_config(directory: Path) -> dict:
         if missing:
             raise CheckpointError(f"{path}: '{key}' has no {', '.join(repr(k) for k in missing)}; the checkpoint is "
                                   "damaged or from an incompatible draftsmith")
+    if config.get("target_adapter") and not Path(config["target_adapter"]).is_absolute():    # moves with it
+        config["target_adapter"] = str((Path(directory) / config["target_adapter"]).resolve())
     return config
 
 

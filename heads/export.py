@@ -85,8 +85,10 @@ def check_weights(weights: dict, config: dict, where: str) -> None:
 
 
 def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "bfloat16",
-           overwrite: bool = False, target_path: str | None = None, device: str = "auto") -> Path:
-    """Write `checkpoint` in format `fmt` to `out_dir`; returns out_dir."""
+           overwrite: bool = False, target_path: str | None = None, device: str = "auto",
+           with_target: bool = False) -> Path:
+    """Write `checkpoint` in format `fmt` to `out_dir` (and with_target: the target, adapter merged, in
+    out_dir/target); returns out_dir."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format '{fmt}'; choose one of {', '.join(FORMATS)}")
@@ -103,7 +105,8 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
     weights = read_weights(checkpoint, config)
     check_weights(weights, config, str(checkpoint))
     check_destination(checkpoint, out_dir, overwrite)
-    target = _target_for(config, target_path, dtype, device) if _needs_target(config, fmt) or target_path else None
+    needed = _needs_target(config, fmt) or target_path or with_target
+    target = _target_for(config, target_path, dtype, device) if needed else None
     from . import export_formats
     tensors, files = export_formats.WRITERS[(kind, fmt)](config, weights, target, _dtype(dtype), checkpoint)
     if config.get("target_adapter") and "README.md" in files:
@@ -116,6 +119,9 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
         (tmp / name).write_text(content if isinstance(content, str) else json.dumps(content, indent=2) + "\n")
     for filename, state in tensors.items():
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / filename), metadata={"format": "pt"})
+    if with_target:             # base + adapter merged: a plain model any stack serves
+        target.model.to(_dtype(dtype)).save_pretrained(tmp / "target", safe_serialization=True)
+        target.tokenizer.save_pretrained(tmp / "target")
     swap_directory(tmp, out_dir)
     return out_dir
 
@@ -131,8 +137,9 @@ This drafter was trained against `{base}` with the LoRA adapter `{adapter}` (sha
 `{config["target"].get("adapter_sha256", "")}`), not against the bare base: serve the adapted model, or
 it drafts for the wrong distribution.
 
-1. **Merged** (any serving stack, the base's speed): merge once, then serve the merged directory
-   as the target with the speculative config above.
+1. **Merged** (any serving stack, the base's speed): serve the merged model as the target with the
+   speculative config above. `draftsmith export CHECKPOINT --to FORMAT OUT --with-target` writes it
+   to `OUT/target`; or merge it yourself:
 
    ```python
    from peft import PeftModel

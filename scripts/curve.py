@@ -95,8 +95,11 @@ def main() -> None:
     parser.add_argument("--data-share", type=float, default=None,
                         help="the share of each budget spent making data (default: the recipe's split)")
     parser.add_argument("--prompts", default="mt-bench")
-    parser.add_argument("--limit", type=int, default=20)
-    parser.add_argument("--eval-minutes", type=float, default=4)
+    parser.add_argument("--limit", type=int, default=10,
+                        help="MT-bench prompts per point, the same at every point (default 10)")
+    parser.add_argument("--eval-minutes", type=float, default=None,
+                        help="size the evaluation to this many minutes instead (prompt counts then differ by "
+                             "point, and so does the mix of MT-bench categories: tau is then not comparable)")
     parser.add_argument("--lookup", type=int, default=None, help="default: the recipe's eval.lookup")
     parser.add_argument("overrides", nargs="*", help="recipe key=value, applied to every point")
     args = parser.parse_args()

@@ -87,8 +87,8 @@ def tiny_target(tiny_target_dir):
 
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
-    """Self-distilled data on SmolLM2-135M, then a minute of training each for a Medusa and an EAGLE-3
-    drafter.  Medusa scores the full vocabulary (vLLM 0.32 cannot load a Medusa token_map)."""
+    """Self-distilled data on SmolLM2-135M, then 45 s of training each for an EAGLE-3, a Medusa and a
+    Medusa-2 drafter.  Medusa scores the full vocabulary (vLLM 0.32 cannot load a Medusa token_map)."""
     from draftsmith.train.loop import fit
     from draftsmith.train.settings import recipe_from_dict
 
@@ -100,14 +100,18 @@ def default_run(tmp_path_factory):
                   "save_every": 1000, "heldout_fraction": 0.1},
     }
     runs = {}
+    medusa = {"num_heads": 3, "lm_head": "shared", "draft_vocab_size": None}
     for method, drafter in (("eagle3", {"layer_ids": [2, 15, 27], "draft_vocab_size": 2048, "ttt_steps": 2,
                                          "tree": {"depth": 3, "top_k": 1, "total_tokens": 3}}),
-                            ("medusa", {"num_heads": 3, "lm_head": "shared", "draft_vocab_size": None})):
-        recipe = recipe_from_dict({**common, "method": method, "drafter": drafter,
-                                   "output_dir": str(out / method)})
-        if method == "medusa":   # the same data (and cache: layer 30 is among EAGLE-3's), no second generation
+                            ("medusa", medusa),
+                            ("medusa2", {**medusa, "lora_r": 8, "lora_alpha": 16, "heads_only_steps": 5,
+                                         "ramp_steps": 5})):
+        spec = {**common, "method": method, "drafter": drafter, "output_dir": str(out / method)}
+        if method == "medusa2":  # its backbone takes gradients: an unpacked target
+            spec["target"] = {"path": "smollm2-135m", "dtype": "float32"}
+        if method != "eagle3":   # the same data (and cache: layer 30 is among EAGLE-3's), no second generation
             import shutil
-            shutil.copytree(out / "eagle3" / "data", out / "medusa" / "data")
-        report = fit(recipe, progress=False)
+            shutil.copytree(out / "eagle3" / "data", out / method / "data")
+        report = fit(recipe_from_dict(spec), progress=False)
         runs[method] = report.checkpoint
     return runs

@@ -120,3 +120,16 @@ def test_export_of_a_drafter_for_an_adapted_target_says_how_to_serve_it(tiny_tar
                  tmp_path / "bare-ckpt")
     assert "LoRA" not in (export(tmp_path / "bare-ckpt", "vllm", tmp_path / "bare", dtype="float32")
                           / "README.md").read_text()
+
+
+def test_export_with_target_writes_the_merged_model(tiny_target_dir, lora_dir, tmp_path):
+    from draftsmith.heads.drafter import save_drafter
+    from draftsmith.heads.export import export
+    from draftsmith.heads.medusa import Medusa, MedusaConfig
+
+    adapted = Target.load(str(tiny_target_dir), "float32", adapter=lora_dir)
+    save_drafter(Medusa(MedusaConfig(num_heads=2, lm_head="shared"), adapted), tmp_path / "ckpt")
+    out = export(tmp_path / "ckpt", "vllm", tmp_path / "vllm", dtype="float32", with_target=True)
+    merged = Target.load(str(out / "target"), "float32")                       # a plain model, adapter inside
+    ids = [7, 8, 9, 10, 11, 12]
+    assert torch.allclose(logits_of(merged, ids), logits_of(adapted, ids), atol=1e-4)

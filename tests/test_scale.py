@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from draftsmith.train.loop import fit, reconcile_deepspeed_config
+from draftsmith.train.accelerator import reconcile_deepspeed_config
+from draftsmith.train.loop import fit
 from draftsmith.train.settings import TrainSettings, recipe_from_dict
 from safetensors.torch import load_file
 from test_train import tiny_recipe

@@ -124,6 +124,31 @@ def test_vllm_serves_the_export_and_accepts_what_draftsmith_measures(
     assert abs(theirs - ours) <= 0.05 * ours
 
 
+def test_vllm_serves_a_medusa2_export_with_its_merged_target(default_run, vllm_python, prompts, tmp_path):
+    """Medusa-2 changed the backbone: vLLM serves the merged target (`export --with-target`) with and without
+    the heads; the text is the same, and vLLM accepts what draftsmith measures against base + adapter."""
+    from draftsmith.heads.drafter import checkpoint_target, read_config
+
+    checkpoint = default_run["medusa2"]
+    exported = export(checkpoint, "vllm", tmp_path / "vllm", dtype="float32", with_target=True)
+    plain = serve(vllm_python, prompts[1], tmp_path / "plain.json", model=exported / "target")
+    served = serve(vllm_python, prompts[1], tmp_path / "spec.json", "--method", "medusa", "--drafter", str(exported),
+                   "--num-speculative-tokens", str(CHAIN["medusa"]), model=exported / "target")
+    assert served["tokens"] == plain["tokens"], "vLLM's output changed when the Medusa-2 heads were added"
+    adapted = checkpoint_target(read_config(checkpoint), "float32", "cpu")
+    drafter = load_drafter(checkpoint, adapted)
+    drafter.set_proposal(chain=CHAIN["medusa"])
+    accepted = []
+    for ids in prompts[0]:
+        result = decode(adapted, ids, MAX_TOKENS, drafter=drafter)
+        accepted += result.accepted
+    ours = metrics.tau(accepted)
+    m = served["metrics"]
+    theirs = 1 + m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_drafts"]
+    print(f"\nmedusa2 -> vllm (merged target): tau draftsmith {ours:.3f} vs vLLM {theirs:.3f}")
+    assert sum(accepted) > 0 and abs(theirs - ours) <= 0.05 * ours
+
+
 DATA_RECIPE = {"method": "medusa", "seed": 3, "target": {"path": "smollm2-135m", "dtype": "float32"},
                "data": {"source": "mt-bench", "max_conversations": 8, "batch_size": 4, "max_new_tokens": 32},
                "drafter": {"num_heads": 2, "draft_vocab_size": None}}

@@ -28,7 +28,7 @@ def test_every_recipe_loads_and_names_its_command(path):
     recipe = load_recipe(path)
     first = path.read_text().splitlines()[0]
     assert first.startswith("# draftsmith ") or first.startswith("# accelerate launch"), first
-    assert recipe.method in ("medusa", "eagle", "eagle3")
+    assert recipe.method in ("medusa", "medusa2", "eagle", "eagle3")
 
 
 def test_unknown_recipe_key_is_named_with_the_valid_keys():

@@ -8,6 +8,7 @@ on resume: weights are safetensors; optimizer and RNG states are read with
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -121,8 +122,13 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
         raise ValueError(f"cannot resume from {found}: it was trained with a different recipe ("
                          + "; ".join(diffs) + "). Use the same settings, or another output_dir")
     drafter = accelerator.unwrap_model(model)
-    TargetIdentity.from_dict(read_config(found)["target"]).require_same(drafter.target_identity, f"checkpoint {found}")
+    saved_identity = TargetIdentity.from_dict(read_config(found)["target"])
+    if getattr(drafter, "trains_target_adapter", False):       # Medusa-2: its LoRA is restored below
+        saved_identity = dataclasses.replace(saved_identity, adapter_sha256=drafter.target_identity.adapter_sha256)
+    saved_identity.require_same(drafter.target_identity, f"checkpoint {found}")
     drafter.load_state_dict(read_weights(found), strict=True)
+    if hasattr(drafter, "load_adapter"):
+        drafter.load_adapter(found)
     from draftsmith.heads.drafter import RESERVED
     drafter.metadata.update({k: v for k, v in read_config(found).items() if k not in RESERVED})
     optimizer.load_state_dict(torch.load(found / "state" / "optimizer.pt", weights_only=True, map_location="cpu"))

@@ -1,0 +1,201 @@
+"""Medusa-2: Medusa heads trained jointly with a LoRA on the target's backbone (peft).
+
+The backbone changes, so the speculative output is exact for the ADAPTED model, not the original.
+Self-distillation keeps the two close: the base loss is the KL from the original model's next-token
+distribution (the same model with the adapter disabled) to the adapted one, at every reply
+position; the heads' Medusa loss is added with a coefficient that rises along a sine ramp
+(Medusa paper: 0.01 under self-distillation; heads learning rate x4).  Stage 1 trains the heads
+alone on the frozen backbone (`heads_only_steps`), then both train together.
+
+The checkpoint is an ordinary Medusa checkpoint (kind `medusa`: eval, bench and export read it as
+one) whose target is base + the LoRA adapter it trained, saved beside the heads in peft's own format
+(`adapter/adapter_config.json`, `adapter/adapter_model.safetensors`, loadable by
+`peft.PeftModel.from_pretrained`).  The checkpoint names it (`target_adapter: adapter`), so every verb
+loads the adapted target (heads/adapter.py), and `draftsmith eval` reports the drift from the original.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .drafter import StepOutput
+from .files import write_atomic
+from .medusa import Medusa, MedusaConfig
+from .target import Target
+
+ADAPTER_DIR = "adapter"
+STATE_FILE = "medusa2.json"
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class Medusa2Config(MedusaConfig):
+    lora_r: int = 32
+    """LoRA rank on the backbone (Medusa-2: 32)."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator (Medusa-2: 16)."""
+    lora_modules: list[str] = field(default_factory=lambda: list(LORA_MODULES))
+    """Backbone linear layers that get a LoRA (Medusa-2: attention and MLP projections)."""
+    heads_coefficient: float = 0.01
+    """Weight of the heads' loss beside the KL in the joint stage (Medusa-2 self-distillation: 0.01)."""
+    ramp_steps: int = 100
+    """Micro-batches over which that weight rises along a sine ramp from 0."""
+    heads_only_steps: int = 50
+    """Stage 1: micro-batches that train the heads alone on the frozen backbone."""
+    heads_lr_scale: float = 4.0
+    """The heads' learning rate is train.lr times this; the LoRA's is train.lr."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.conditioning != "none":
+            raise ValueError("medusa2 trains plain Medusa heads (drafter.conditioning: none)")
+        if self.lora_r < 1 or not self.lora_modules:
+            raise ValueError(f"medusa2 needs lora_r >= 1 and lora_modules, got {self.lora_r}, {self.lora_modules}")
+        if self.heads_coefficient <= 0 or self.ramp_steps < 0 or self.heads_only_steps < 0:
+            raise ValueError("medusa2 needs heads_coefficient > 0, ramp_steps >= 0 and heads_only_steps >= 0")
+
+    def medusa(self) -> MedusaConfig:
+        """The heads' own settings: what the checkpoint records (it loads as plain Medusa)."""
+        names = {f.name for f in dataclasses.fields(MedusaConfig)}
+        return MedusaConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
+
+
+class Medusa2(Medusa):
+    kind = "medusa2"
+    checkpoint_kind = "medusa"
+    config_class = Medusa2Config
+    trains_target_adapter = True
+
+    def __init__(self, config: Medusa2Config, target: Target):
+        super().__init__(config.medusa(), target)
+        self.joint = config
+        self.metadata["medusa2"] = dataclasses.asdict(config)
+        self.micro_steps = 0          # micro-batches trained (the ramp's clock; saved beside the adapter)
+        self.backbone: nn.Module | None = None          # the LoRA-wrapped target, once training attaches it
+
+    def attach_backbone(self) -> None:
+        """Training only: put the LoRA into the target's own modules (the target is then base + LoRA)."""
+        if self.backbone is None:
+            self.backbone = self._attach_lora(self.target)
+
+    # build_drafter sets this for greedy data; Medusa-2's labels are always the adapted model's own choices
+    data_is_target_greedy = property(lambda self: False, lambda self, value: None)
+
+    def _attach_lora(self, target: Target) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        if target.adapter is not None:
+            raise ValueError("method medusa2 trains its own LoRA adapter on the target: leave target.adapter empty "
+                             "(merge an existing adapter into the model and give that as target.path)")
+        frozen = [name for name, m in target.model.named_modules() if type(m).__name__ == "PackedLinear"]
+        if frozen or not target.dtype.is_floating_point or target.dtype == torch.float16:
+            raise ValueError(f"method medusa2 trains the target's backbone, but this target cannot take gradients "
+                             f"({target.precision}): load it with target.dtype=float32 (or bfloat16 where the "
+                             "hardware has it); quantized or packed weights cannot be trained")
+        settings = LoraConfig(r=self.joint.lora_r, lora_alpha=self.joint.lora_alpha, lora_dropout=0.0,
+                              target_modules=list(self.joint.lora_modules), bias="none")
+        try:
+            model = get_peft_model(target.model, settings)      # LoRA layers put into the target's own modules
+        except ValueError as err:
+            raise ValueError(f"drafter.lora_modules {list(self.joint.lora_modules)} do not fit this target: {err}") from None
+        for name, p in model.named_parameters():
+            p.requires_grad_("lora_" in name)
+        return model
+
+    # -- what is saved: the heads in model.safetensors, the LoRA in adapter/ ------------------------
+    def state_dict(self, *args, **kwargs):
+        state = super().state_dict(*args, **kwargs)
+        for key in [k for k in state if "backbone." in k]:
+            del state[key]
+        return state
+
+    def load_state_dict(self, state, strict: bool = True, assign: bool = False):
+        result = super().load_state_dict(state, strict=False, assign=assign)
+        missing = [k for k in result.missing_keys if not k.startswith("backbone.")]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"medusa2 state does not fit: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+        return result
+
+    def save_adapter(self, directory: Path) -> str:
+        """Write the LoRA in peft's format into directory/adapter; returns the adapter's hash."""
+        from .adapter import Adapter
+
+        self.backbone.save_pretrained(str(Path(directory) / ADAPTER_DIR), safe_serialization=True)
+        write_atomic(Path(directory) / STATE_FILE, json.dumps({"micro_steps": self.micro_steps}))
+        return Adapter.read(Path(directory) / ADAPTER_DIR).sha256
+
+    def load_adapter(self, directory: Path) -> None:
+        """Resume: the LoRA weights saved in directory/adapter."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        weights = load_file(str(Path(directory) / ADAPTER_DIR / "adapter_model.safetensors"))
+        set_peft_model_state_dict(self.backbone, weights)
+        self.micro_steps = json.loads((Path(directory) / STATE_FILE).read_text())["micro_steps"]
+
+    def param_groups(self, lr: float) -> list[dict]:
+        """One optimizer, two learning rates: the heads at lr x heads_lr_scale, the LoRA at lr."""
+        lora = [p for n, p in self.named_parameters() if p.requires_grad and n.startswith("backbone.")]
+        heads = [p for n, p in self.named_parameters() if p.requires_grad and not n.startswith("backbone.")]
+        return [{"params": heads, "lr": lr * self.joint.heads_lr_scale}, {"params": lora, "lr": lr}]
+
+    # -- training ----------------------------------------------------------------------------------
+    def heads_weight(self, micro_step: int) -> float:
+        """0 in stage 1 (the heads' loss alone is trained), then heads_coefficient * sin ramp."""
+        joint_step = micro_step - self.joint.heads_only_steps
+        if joint_step < 0:
+            return 0.0
+        ramp = 1.0 if self.joint.ramp_steps == 0 else min(1.0, (joint_step + 1) / self.joint.ramp_steps)
+        return self.joint.heads_coefficient * math.sin(0.5 * math.pi * ramp)
+
+    def _adapted_hidden(self, batch: dict, grad: bool) -> torch.Tensor:
+        with torch.set_grad_enabled(grad):
+            return self.target.decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                       use_cache=False).last_hidden_state
+
+    def distill_kl(self, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
+        """Mean KL(original || adapted) of the next-token distribution over the reply positions."""
+        scored = batch["loss_mask"][:, 1:].bool()                   # position t predicts reply token t+1
+        with torch.no_grad(), self.backbone.disable_adapter():
+            original = self._adapted_hidden(batch, grad=False)[:, :-1][scored]
+        adapted = hidden[:, :-1][scored]
+        total = adapted.new_zeros((), dtype=torch.float32)
+        for a, o in zip(adapted.split(512), original.split(512)):
+            log_p = F.log_softmax(self.target.compute_logits(o).float(), -1)
+            log_q = F.log_softmax(self.target.compute_logits(a).float(), -1)
+            total = total + F.kl_div(log_q, log_p, log_target=True, reduction="sum")
+        return total / scored.sum().clamp(min=1)
+
+    def loss(self, batch: dict) -> StepOutput:
+        if self.backbone is None:
+            raise RuntimeError("Medusa2.loss needs attach_backbone() first (training does it)")
+        step = self.micro_steps
+        if self.training:
+            self.micro_steps += 1
+        joint = self.heads_weight(step) > 0 and self.training
+        given = batch.get("features", {}).get(self.target.num_layers)     # validation: the adapted target's
+        hidden = given if given is not None and not joint else self._adapted_hidden(batch, grad=joint)
+        heads = super().loss({**batch, "features": {self.target.num_layers: hidden if joint else hidden.detach()}})
+        if not joint:
+            return heads
+        kl = self.distill_kl(batch, hidden)
+        return StepOutput(loss=kl + self.heads_weight(step) * heads.loss, correct=heads.correct, counted=heads.counted)
+
+    @torch.no_grad()
+    def topk_hits(self, batch: dict | None, top: int = 10):
+        if batch is not None and self.target.num_layers not in batch.get("features", {}):
+            batch = {**batch, "features": {self.target.num_layers: self._adapted_hidden(batch, grad=False)}}
+        return super().topk_hits(batch, top)
+
+    @property
+    def required_layers(self) -> tuple[int, ...]:
+        """Training computes its own features (with gradients through the LoRA); none are cached or
+        handed in.  Evaluation reads the (adapted) target's final layer, as Medusa does."""
+        return () if self.training else (self.target.num_layers,)
