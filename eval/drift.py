@@ -2,8 +2,10 @@
 
 Medusa-2 trains the backbone, so speculative decoding is exact for the ADAPTED model only.  Three
 numbers say what that costs, measured greedily on the evaluation's own prompts:
-- token_agreement: over the adapted model's reply tokens, teacher-forced, the fraction where the
-  original model's greedy choice is the same token;
+- token_agreement: over the adapted model's greedy reply, both models reading the same text
+  (teacher-forced, one full forward each), the fraction of positions where their greedy choices are
+  the same token (comparing two forwards of the same kind, so numerical noise between the engine's
+  incremental decode and a full forward does not count as drift);
 - mean_kl: the mean KL(original || adapted) of the next-token distributions at those positions (nats);
 - identical_replies: the fraction of prompts whose whole greedy replies are identical.
 """
@@ -32,7 +34,7 @@ def drift(adapted: Target, original: Target, prompts: list[tuple[str, list[int]]
         log_p = F.log_softmax(original.model(input_ids=ids.to(original.device), use_cache=False)
                               .logits[0, scored].float(), -1).to(log_q.device)
         kl += F.kl_div(log_q, log_p, log_target=True, reduction="sum").item()
-        agree += int((log_p.argmax(-1) == ids[0, len(prompt):]).sum())
+        agree += int((log_p.argmax(-1) == log_q.argmax(-1)).sum())      # both read the same text
         positions += len(reply)
     return {"prompts": len(prompts), "token_agreement": agree / max(1, positions),
             "mean_kl": kl / max(1, positions), "identical_replies": identical / max(1, len(prompts))}
