@@ -23,9 +23,9 @@ def load_calls(monkeypatch):
     calls = []
     original = Target.load.__func__
 
-    def spy(cls, path="smollm2-135m", dtype="auto", device=MISSING, trust_remote_code=False):
+    def spy(cls, path="smollm2-135m", dtype="auto", device=MISSING, trust_remote_code=False, **adapter):
         calls.append(device)
-        return original(cls, path, dtype, "auto" if device is MISSING else device, trust_remote_code)
+        return original(cls, path, dtype, "auto" if device is MISSING else device, trust_remote_code, **adapter)
 
     monkeypatch.setattr(Target, "load", classmethod(spy))
     return calls
