@@ -215,6 +215,8 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
     out_dir = Path(out_dir)
     (out_dir / "shards").mkdir(parents=True, exist_ok=True)
     _check_manifest(out_dir, settings, seed, target)
+    for stale in [*(out_dir / "shards").glob("*.tmp-*"), *(out_dir / "features").glob("*/*.tmp-*")]:
+        stale.unlink()              # a write cut by a kill: its shard is made again below
     stats = sources.SourceStats()
     convs = list(sources.conversations(settings.source, stats=stats))
     log.info("source %s: %s", settings.source, stats.summary())
