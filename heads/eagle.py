@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .drafter import DraftContext, StepOutput
+from .drafter import DraftContext, StepOutput, divide, term_denominators
 from .dynamic_tree import TreeSettings
 from .eagle_decoding import EagleDecoding
 from .eagle_layer import DraftLayer, Rotary, layer_shape_from_target
@@ -116,14 +116,24 @@ class Eagle(EagleDecoding, nn.Module):
         positions = torch.arange(s, device=input_ids.device)[None].expand(b, s)
         cos, sin = self.rotary(hidden, positions)
         predicted = self.layer.ttt(hidden, None, cos, sin, [], attention)               # [b, s, H]
-        scored = F.pad(batch["loss_mask"][:, 2:], (0, 2)).bool() & attention             # token t+2 is a reply
+        scored = self._scored(batch)                                                    # token t+2 is a reply
+        denominator = term_denominators(batch, self.loss_counts(batch))[0]
         wanted = F.pad(features[:, 1:], (0, 0, 0, 1))[scored]                           # f_{t+1}
         mine = predicted[scored]
-        feature_loss = F.smooth_l1_loss(mine.float(), wanted.float())
+        feature_loss = divide(F.smooth_l1_loss(mine.float(), wanted.float(), reduction="sum") / mine.shape[-1],
+                              denominator)                                              # mean over positions and dims
         with torch.no_grad():
             target_probs = torch.softmax(self.logits(wanted).float(), dim=-1)
         log_q = torch.log_softmax(self.logits(mine).float(), dim=-1)
-        token_loss = -(target_probs * log_q).sum(-1).mean() if len(mine) else feature_loss * 0
+        token_loss = divide(-(target_probs * log_q).sum(), denominator)
         loss = self.config.feature_weight * feature_loss + self.config.token_weight * token_loss
         correct = (log_q.argmax(-1) == target_probs.argmax(-1)).sum().float()[None]
         return StepOutput(loss=loss, correct=correct, counted=scored.sum().float()[None])
+
+    @staticmethod
+    def _scored(batch: dict) -> torch.Tensor:
+        return F.pad(batch["loss_mask"][:, 2:], (0, 2)).bool() & batch["attention_mask"].bool()
+
+    def loss_counts(self, batch: dict) -> torch.Tensor:
+        """[1]: the positions both terms (next feature, next token) average over."""
+        return self._scored(batch).sum().float()[None]

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .drafter import DraftContext, StepOutput
+from .drafter import DraftContext, StepOutput, divide, term_denominators
 from .dynamic_tree import TreeSettings
 from .eagle_decoding import EagleDecoding
 from .eagle_layer import DraftLayer, RMSNorm, Rotary, layer_shape_from_target
@@ -204,6 +204,11 @@ class Eagle3(EagleDecoding, nn.Module):
             hidden = self.midlayer.ttt(hidden, self.embed(tokens), cos, sin, past, attention)
             yield hidden
 
+    def loss_counts(self, batch: dict) -> torch.Tensor:
+        """[ttt_steps]: the positions step s scores, those whose token t+2+s is a reply token."""
+        reply = batch["loss_mask"].bool()
+        return torch.stack([reply[:, 2 + step:].sum() for step in range(self.config.ttt_steps)]).float()
+
     def loss(self, batch: dict) -> StepOutput:
         """Sum over unrolled steps s of decay^s * soft-CE(target at t+1+s, drafter at t, step s)."""
         target = self._target_distribution(batch)
@@ -212,16 +217,15 @@ class Eagle3(EagleDecoding, nn.Module):
         total = torch.zeros((), device=device)
         correct = torch.zeros(steps, device=device)
         counted = torch.zeros(steps, device=device)
+        denominators = term_denominators(batch, self.loss_counts(batch))
         for step, hidden in enumerate(self.unroll(batch)):
             rows = F.pad(target.index[:, 1 + step:], (0, 1 + step), value=-1)     # target at t+1+s
-            scored = rows >= 0
-            if not scored.any():
-                continue
+            scored = rows >= 0              # may be empty: the loss stays connected to every weight anyway
             probs = target.probs[rows[scored]]                                      # [m, v]
             ok = target.in_vocab[rows[scored]]
             log_q = torch.log_softmax(self.logits(hidden[scored]).float(), dim=-1)
             per_position = -(probs * log_q).sum(-1) * ok
-            total = total + (self.config.loss_decay ** step) * per_position.sum() / scored.sum()
+            total = total + (self.config.loss_decay ** step) * divide(per_position.sum(), denominators[step])
             correct[step] = ((log_q.argmax(-1) == probs.argmax(-1)) & ok).sum()
             counted[step] = scored.sum()
         return StepOutput(loss=total, correct=correct, counted=counted)

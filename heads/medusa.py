@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .drafter import DraftContext, StepOutput
+from .drafter import DraftContext, StepOutput, divide, term_denominators
 from .target import Target
 from .tree import DraftTree, TreeShape
 
@@ -171,7 +171,7 @@ class Medusa(nn.Module):
     def _project(self, states: torch.Tensor, head: int = 0) -> torch.Tensor:
         """[..., d] outputs of head `head` (of every head, for a shared lm_head) -> [..., v] draft logits."""
         if self.config.lm_head == "own":
-            return F.linear(states, self._projection(head))
+            return self.lm_heads[head](states)      # called as a module: ZeRO-3 gathers its weight for the call
         packed = self._decoding_head()
         if packed is not None:
             return packed(states)
@@ -220,32 +220,46 @@ class Medusa(nn.Module):
         """[b, span, k]: the k tokens after each position (next_tokens [b, >= span + k]: the token after each)."""
         return torch.stack([next_tokens[:, j: j + span] for j in range(len(self.blocks))], dim=-1)
 
+    def _label_masks(self, loss_mask: torch.Tensor):
+        """selected [b, s-2]: positions whose head 0 has a label (token t+2 is a reply token), and
+        valid(k) [m]: which of those head k scores (token t+2+k is one too)."""
+        k_heads = len(self.blocks)
+        span = loss_mask.shape[1] - 2
+        selected = loss_mask[:, 2:]
+        label_mask = F.pad(loss_mask, (0, k_heads + 2))
+        return selected, lambda k: label_mask[:, 2 + k: 2 + k + span][selected]
+
+    def loss_counts(self, batch: dict) -> torch.Tensor:
+        """[k]: the tokens head k's cross-entropy averages over (from the loss mask alone)."""
+        return self._head_counts(batch)
+
+    def _head_counts(self, batch: dict) -> torch.Tensor:
+        selected, valid = self._label_masks(batch["loss_mask"].bool())
+        return torch.stack([valid(k).sum() for k in range(len(self.blocks))]).float()
+
     def loss(self, batch: dict) -> StepOutput:
         """Medusa-1 loss: sum_k decay^k * CE(head k at t, token t+2+k) over assistant tokens."""
         hidden = batch["features"][self.target.num_layers]          # [b, s, d]
-        loss_mask = batch["loss_mask"].bool()                        # [b, s]
         k_heads = len(self.blocks)
-        b, s, _ = hidden.shape
+        span = hidden.shape[1] - 2
         next_tokens = F.pad(self._next_tokens(batch), (0, k_heads + 2))          # [b, s + k + 2]
-        label_mask = F.pad(loss_mask, (0, k_heads + 2))
-        span = s - 2
-        selected = loss_mask[:, 2:]                                              # [b, s-2] head 0 has a label
+        selected, valid_for = self._label_masks(batch["loss_mask"].bool())      # [b, s-2] head 0 has a label
         states = hidden[:, :span][selected]                                      # [m, d]
         logits = self.head_logits(states, self._following(next_tokens, span)[selected])   # [k, m, v]
         total = hidden.new_zeros((), dtype=torch.float32)
         correct = torch.zeros(k_heads, device=hidden.device)
-        counted = torch.zeros(k_heads, device=hidden.device)
+        counted = self._head_counts(batch)                                       # [k] this micro-batch's
+        denominators = term_denominators(batch, counted)                         # [k] the step's, in training
         for k in range(k_heads):
             labels = next_tokens[:, 1 + k: 1 + k + span][selected]             # target ids, [m]
-            valid = label_mask[:, 2 + k: 2 + k + span][selected]               # [m]
             draft_labels = self._target_to_draft[labels]
-            scored = valid & (draft_labels >= 0)
+            scored = valid_for(k) & (draft_labels >= 0)
             head_logits = logits[k].float()
-            if scored.any():
-                ce = F.cross_entropy(head_logits[scored], draft_labels[scored], reduction="sum")
-                total = total + (self.config.loss_decay ** k) * ce / valid.sum().clamp(min=1)
+            # computed even when nothing is scored: the loss stays connected to every weight (a process
+            # whose slice of the step holds no reply token still takes part in the gradient exchange)
+            ce = F.cross_entropy(head_logits[scored], draft_labels[scored], reduction="sum")
+            total = total + (self.config.loss_decay ** k) * divide(ce, denominators[k])
             correct[k] = ((head_logits.argmax(-1) == draft_labels) & scored).sum()
-            counted[k] = valid.sum()
         return StepOutput(loss=total, correct=correct, counted=counted)
 
     @torch.no_grad()

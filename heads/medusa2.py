@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .drafter import StepOutput
+from .drafter import StepOutput, divide, term_denominators
 from .files import write_atomic
 from .medusa import Medusa, MedusaConfig
 from .target import Target
@@ -161,7 +161,7 @@ class Medusa2(Medusa):
                                        use_cache=False).last_hidden_state
 
     def distill_kl(self, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
-        """Mean KL(original || adapted) of the next-token distribution over the reply positions."""
+        """Summed KL(original || adapted) of the next-token distribution over the reply positions."""
         scored = batch["loss_mask"][:, 1:].bool()                   # position t predicts reply token t+1
         with torch.no_grad(), self.backbone.disable_adapter():
             original = self._adapted_hidden(batch, grad=False)[:, :-1][scored]
@@ -171,7 +171,7 @@ class Medusa2(Medusa):
             log_p = F.log_softmax(self.target.compute_logits(o).float(), -1)
             log_q = F.log_softmax(self.target.compute_logits(a).float(), -1)
             total = total + F.kl_div(log_q, log_p, log_target=True, reduction="sum")
-        return total / scored.sum().clamp(min=1)
+        return total
 
     def loss(self, batch: dict) -> StepOutput:
         if self.backbone is None:
@@ -182,11 +182,20 @@ class Medusa2(Medusa):
         joint = self.heads_weight(step) > 0 and self.training
         given = batch.get("features", {}).get(self.target.num_layers)     # validation: the adapted target's
         hidden = given if given is not None and not joint else self._adapted_hidden(batch, grad=joint)
-        heads = super().loss({**batch, "features": {self.target.num_layers: hidden if joint else hidden.detach()}})
+        given_denominators = batch.get("loss_denominators")
+        heads_batch = {**batch, "features": {self.target.num_layers: hidden if joint else hidden.detach()}}
+        if given_denominators is not None:
+            heads_batch["loss_denominators"] = given_denominators[1:]
+        heads = super().loss(heads_batch)
         if not joint:
             return heads
-        kl = self.distill_kl(batch, hidden)
+        kl = divide(self.distill_kl(batch, hidden), term_denominators(batch, self.loss_counts(batch))[0])
         return StepOutput(loss=kl + self.heads_weight(step) * heads.loss, correct=heads.correct, counted=heads.counted)
+
+    def loss_counts(self, batch: dict) -> torch.Tensor:
+        """[1 + k]: the reply positions the KL term averages over, then the heads' (Medusa's)."""
+        kl_positions = batch["loss_mask"][:, 1:].bool().sum().float()[None]
+        return torch.cat([kl_positions, self._head_counts(batch).to(kl_positions.device)])
 
     @torch.no_grad()
     def topk_hits(self, batch: dict | None, top: int = 10):

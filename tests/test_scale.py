@@ -19,39 +19,178 @@ from test_train import tiny_recipe
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_train(recipe_path, output_dir, *overrides, processes=1):
-    env = dict(os.environ, PYTHONPATH=str(REPO), ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
-    if processes == 1:
+def run_train(recipe_path, output_dir, *overrides, processes=1, config=None, port=29517):
+    """`draftsmith train` in one process, or under `accelerate launch --config_file
+    recipes/accelerate/<config>.yaml` with `processes` CPU processes, as the README writes it."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    if config is None:
+        env["ACCELERATE_USE_CPU"] = "true"
         command = [sys.executable, "-m", "draftsmith", "train"]
-    else:    # accelerate runs several CPU processes only under MPI or a torchrun-style launcher
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-                   "--master_port", "29517", "-m", "draftsmith", "train"]
+    else:
+        command = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+                   f"recipes/accelerate/{config}.yaml", "--num_processes", str(processes), "--mixed_precision", "no",
+                   "--main_process_port", str(port), "-m", "draftsmith", "train"]
     done = subprocess.run(command + [str(recipe_path), f"output_dir={output_dir}", *overrides],
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in (Path(output_dir) / "logs" / "train.jsonl").read_text().splitlines()]
 
 
-def test_ddp_two_processes_reach_the_losses_of_one_with_the_same_global_batch(tiny_target_dir, tmp_path):
-    """Stated tolerance: per-step losses within 1e-4 relative, final weights within 1e-4 absolute
-    (each process normalises its loss by its own half's tokens; observed: equal to 6 digits)."""
-    import shutil
+def chats_of_unequal_replies(path: Path, count: int) -> Path:
+    """Conversations whose source replies run from 1 to 40 words: prefilled, the rows of one batch
+    hold very different numbers of reply tokens."""
+    words = ["the", "time", "is", "one", "of", "the", "day", "and", "the", "night", "of", "water"]
+    rows = []
+    for i in range(count):
+        prompt = " ".join(words[(i + j) % len(words)] for j in range(3 + i % 5))
+        reply = " ".join(words[(2 * i + j) % len(words)] for j in range(1 + (i * 7) % 40))
+        rows.append({"id": f"c{i}", "messages": [{"role": "user", "content": prompt},
+                                                 {"role": "assistant", "content": reply}]})
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+LAUNCHES = ["ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3"]
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tiny_target_dir, tmp_path_factory):
+    """The reference: one process, batch 8, on conversations whose reply lengths differ widely."""
+    tmp_path = tmp_path_factory.mktemp("one-process")
     raw = tiny_recipe(tmp_path, tiny_target_dir, epochs=2, log_every=1, eval_prompts=0)
+    raw["data"].update(source=str(chats_of_unequal_replies(tmp_path / "unequal.jsonl", 40)), mode="prefill")
     recipe_path = tmp_path / "recipe.yaml"
     recipe_path.write_text(yaml.safe_dump(raw))
-    one = run_train(recipe_path, tmp_path / "one", "train.batch_size=8")
-    shutil.copytree(tmp_path / "one" / "data", tmp_path / "two" / "data")     # the same data for both
-    two = run_train(recipe_path, tmp_path / "two", "train.batch_size=4", processes=2)
+    return recipe_path, run_train(recipe_path, tmp_path / "one", "train.batch_size=8"), tmp_path / "one"
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_two_processes_reach_the_losses_of_one_with_the_same_global_batch(one_process_run, tmp_path, launch):
+    """`accelerate launch --config_file recipes/accelerate/<launch>.yaml --num_processes 2` on CPU
+    against one process.  Stated tolerance: per-step losses within 1e-4 relative, final weights within
+    1e-4 absolute.  The rows' reply lengths differ widely, so a loss averaged over each process's own
+    half would not match (each loss term is divided by the step's global token count instead).
+    The checkpoint is whole and loads."""
+    import shutil
+
+    from draftsmith.heads.drafter import checkpoint_target, load_drafter
+    recipe_path, one, one_dir = one_process_run
+    shutil.copytree(one_dir / "data", tmp_path / "two" / "data")     # the same data for both
+    two = run_train(recipe_path, tmp_path / "two", "train.batch_size=4", processes=2, config=launch,
+                    port=29517 + LAUNCHES.index(launch))
+    ran = json.loads((tmp_path / "two" / "logs" / "launch.json").read_text())     # not a silent fallback to DDP
+    assert ran["processes"] == 2 and ran["distributed_type"] == {"ddp": "MULTI_CPU", "fsdp": "FSDP"}.get(launch, "DEEPSPEED")
+    if launch.startswith("deepspeed"):
+        assert ran["zero_stage"] == int(launch[-1])
     losses_one = [r["train/loss"] for r in one if "train/loss" in r]
     losses_two = [r["train/loss"] for r in two if "train/loss" in r]
     assert len(losses_one) == len(losses_two) >= 4
     for a, b in zip(losses_one, losses_two):
         assert abs(a - b) <= 1e-4 * abs(a), (losses_one, losses_two)
+    w1 = load_file(str(one_dir / "checkpoint" / "model.safetensors"))
+    w2 = load_file(str(tmp_path / "two" / "checkpoint" / "model.safetensors"))
+    assert w1.keys() == w2.keys()
+    for key in w1:
+        assert w1[key].shape == w2[key].shape and torch.allclose(w1[key], w2[key], atol=1e-4), key
+    checkpoint = tmp_path / "two" / "checkpoint"
+    drafter = load_drafter(checkpoint, checkpoint_target(json.loads((checkpoint / "config.json").read_text()), "float32", "cpu"))
+    assert drafter.kind == "medusa"
+
+
+def test_an_fsdp_run_killed_and_resumed_ends_where_one_process_does(one_process_run, tmp_path):
+    """FSDP's optimizer state is gathered whole into the checkpoint and spread again on resume: a
+    2-process FSDP run killed mid-run (SIGKILL to the launcher's process group) and resumed reaches the
+    one-process run's weights.  Resuming it without FSDP is refused, naming both."""
+    import shutil
+    import signal
+    import time
+
+    recipe_path, _, one_dir = one_process_run
+    settings = ["train.epochs=6", "train.save_every=1"]
+    run_train(recipe_path, tmp_path / "one", "train.batch_size=8", *settings)     # data: a copy of the fixture's
+    shutil.copytree(one_dir / "data", tmp_path / "two" / "data")
+    launch = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", "recipes/accelerate/fsdp.yaml",
+              "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "29531", "-m", "draftsmith",
+              "train", str(recipe_path), f"output_dir={tmp_path / 'two'}", "train.batch_size=4", *settings]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(launch, env=env, cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    progress = tmp_path / "two" / "checkpoint" / "state" / "progress.json"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if progress.exists() and json.loads(progress.read_text() or "{}").get("step", 0) >= 4:
+            break
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = json.loads(progress.read_text())
+    assert 4 <= saved["step"] < 18 and saved["sharding"] == "fsdp", "the kill did not land mid-run"
+    done = subprocess.run([sys.executable, "-m", "draftsmith", "train", str(recipe_path), f"output_dir={tmp_path / 'two'}",
+                           "train.batch_size=4", *settings, "resume=true"], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 2 and "saved under FSDP and this run uses one process or DDP" in done.stderr
+    run_train(recipe_path, tmp_path / "two", "train.batch_size=4", *settings, "resume=true", processes=2,
+              config="fsdp", port=29532)
     w1 = load_file(str(tmp_path / "one" / "checkpoint" / "model.safetensors"))
     w2 = load_file(str(tmp_path / "two" / "checkpoint" / "model.safetensors"))
     for key in w1:
         assert torch.allclose(w1[key], w2[key], atol=1e-4), key
 
+def _rows_of_unequal_length(target, seed=0):
+    """Four rows whose lengths and reply lengths all differ (a mean per micro-batch would weigh them unequally)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for prompt, reply in ((3, 4), (5, 17), (2, 9), (6, 30)):
+        ids = torch.randint(4, target.vocab_size, (prompt + reply,), generator=g)
+        rows.append({"input_ids": ids.tolist(), "loss_mask": [0] * prompt + [1] * reply, "shard": "", "row": 0})
+    return rows
+
+
+def _loss_and_grads(drafter, target, rows, denominators=None):
+    from draftsmith.train.batches import collate
+
+    batch = collate(rows)
+    batch["features"] = target.features(batch["input_ids"], batch["attention_mask"], drafter.required_layers) \
+        if drafter.required_layers else {}
+    if denominators is not None:
+        batch["loss_denominators"] = denominators
+    loss = drafter.loss(batch).loss
+    grads = torch.autograd.grad(loss, [p for p in drafter.parameters() if p.requires_grad], allow_unused=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3", "eagle", "medusa2"])
+def test_a_loss_split_over_micro_batches_with_the_steps_counts_equals_the_whole_batchs(tiny_target_dir, kind):
+    """The loss of one batch of four rows, and the sum over two micro-batches of two rows each with the
+    step's token counts as denominators, are equal, and so are their gradients.  Dividing each
+    micro-batch by its own counts (what a per-micro-batch mean does) is shown to differ."""
+    from draftsmith.heads.drafter import registry
+    from draftsmith.heads.target import Target
+    from draftsmith.train.batches import collate
+
+    target = Target.load(str(tiny_target_dir), "float32")
+    cls = registry()[kind]
+    settings = {"medusa": {"num_heads": 3, "lm_head": "own"}, "eagle3": {"ttt_steps": 3, "draft_vocab_size": 64},
+                "eagle": {"noise": 0.0}, "medusa2": {"num_heads": 2, "lora_r": 4, "heads_only_steps": 0, "ramp_steps": 0,
+                                         "heads_coefficient": 0.5}}[kind]
+    torch.manual_seed(0)
+    drafter = cls(cls.config_class(**settings), target)
+    if kind == "medusa2":
+        drafter.attach_backbone()
+        for name, p in drafter.named_parameters():        # LoRA B starts at zero: give the KL term something
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.05)
+    drafter.train()
+    rows = _rows_of_unequal_length(target)
+    counts = drafter.loss_counts(collate(rows))
+    whole, whole_grads = _loss_and_grads(drafter, target, rows)
+    parts = [_loss_and_grads(drafter, target, rows[i:i + 2], denominators=counts) for i in (0, 2)]
+    torch.testing.assert_close(parts[0][0] + parts[1][0], whole, rtol=1e-5, atol=1e-6)
+    for a, b, g in zip(parts[0][1], parts[1][1], whole_grads):
+        if g is not None:
+            torch.testing.assert_close(a + b, g, rtol=1e-4, atol=1e-6)
+    own = [_loss_and_grads(drafter, target, rows[i:i + 2])[0] for i in (0, 2)]       # per-micro-batch means
+    assert abs(float((own[0] + own[1]) / 2 - whole)) > 1e-3 * float(whole)
 
 # -- W&B ---------------------------------------------------------------------------------------------
 

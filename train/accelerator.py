@@ -1,11 +1,19 @@
 """The `accelerate` Accelerator a training run uses: device, precision, trackers, and a DeepSpeed
-config reconciled with the recipe's batch settings."""
+config reconciled with the recipe's batch settings.
+
+`accelerate launch --config_file recipes/accelerate/<fsdp|deepspeed-*>.yaml` runs as written on
+CPU processes too (gloo).  accelerate itself applies FSDP and DeepSpeed only to GPU process groups:
+on CPU it would fall back to plain DDP without a word.  Here the launcher's choice is honoured:
+DeepSpeed picks its own CPU accelerator, and FSDP2 is applied to a CPU process group through
+accelerate's own FSDP plugin (read from the launcher's FSDP_* environment)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
 import torch
+from accelerate.utils import DistributedType
 from draftsmith.heads.device import resolve_device
 from draftsmith.heads.target import resolve_dtype
 
@@ -22,7 +30,7 @@ def make_accelerator(recipe: Recipe):
     device = resolve_device(recipe.target.device)
     if device.type == "cuda" and device.index is not None and "LOCAL_RANK" not in os.environ:
         torch.cuda.set_device(device)          # one process on cuda:N (under a launcher, the rank decides)
-    precision = settings.mixed_precision
+    precision = launch_precision(settings.mixed_precision)
     if precision == "auto":
         precision = "bf16" if resolve_dtype("auto", device) == torch.bfloat16 else "no"
     log_with = None
@@ -41,14 +49,145 @@ def make_accelerator(recipe: Recipe):
     # may ask for another precision, so the per-run part is cleared (the process group is kept)
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
+    launcher = launched_with()
     accelerator = Accelerator(
         cpu=device.type == "cpu", mixed_precision=precision, gradient_accumulation_steps=settings.grad_accum, log_with=log_with,
         # the sampler builds global batches (batch_size x processes) and each process takes its slice,
         # so what a step sees does not depend on how many processes share it
         dataloader_config=DataLoaderConfiguration(split_batches=True),
         project_config=ProjectConfiguration(project_dir=str(recipe.out), logging_dir=str(recipe.out / "logs")))
+    if launcher and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        (_fsdp_on_cpu if launcher == "fsdp" else _deepspeed_on_cpu)(accelerator)
     _check_deepspeed(accelerator, settings)
+    _check_fsdp(accelerator)
     return accelerator
+
+
+def launch_precision(recipe_value: str) -> str:
+    """The recipe's train.mixed_precision, reconciled with an FSDP or DeepSpeed launch config's
+    `mixed_precision`: 'auto' takes the launcher's; two explicit values that differ are refused."""
+    given = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if launched_with() is None or not given:
+        return recipe_value
+    if recipe_value == "auto":
+        return given
+    if given != recipe_value:
+        raise ValueError(f"the accelerate config sets mixed_precision={given} but the recipe has "
+                         f"train.mixed_precision={recipe_value}; make them agree (--mixed_precision "
+                         f"{recipe_value} on the launch line, or train.mixed_precision=auto)")
+    return recipe_value
+
+
+def launched_with() -> str | None:
+    """'fsdp' or 'deepspeed' when `accelerate launch` was given such a config, else None."""
+    for name in ("deepspeed", "fsdp"):
+        if os.environ.get(f"ACCELERATE_USE_{name.upper()}", "false").lower() == "true":
+            return name
+    return None
+
+
+def _switch_to(accelerator, kind) -> None:
+    from accelerate.state import PartialState
+
+    # both shared states: accelerate copies the process state's type into each AcceleratorState it builds
+    PartialState._shared_state["distributed_type"] = kind
+    accelerator.state.distributed_type = kind
+
+
+def _fsdp_on_cpu(accelerator) -> None:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()          # fsdp_version, state dict type ... from FSDP_* variables
+    if plugin.fsdp_version != 2:
+        raise ValueError("FSDP on CPU processes needs fsdp_version: 2 in the accelerate config (FSDP1 is GPU only)")
+    _switch_to(accelerator, DistributedType.FSDP)
+    accelerator.state.fsdp_plugin = plugin
+    log.info("FSDP2 on %d CPU processes (gloo)", accelerator.num_processes)
+
+
+def _deepspeed_on_cpu(accelerator) -> None:
+    """DeepSpeed over the gloo process group accelerate made (asked for the GPU way, accelerate would
+    see no backend and run every process as if it were alone)."""
+    try:
+        import deepspeed
+    except ImportError:
+        raise ImportError('the accelerate config asks for DeepSpeed, which is not installed: pip install '
+                          '"draftsmith[deepspeed]" (or use recipes/accelerate/ddp.yaml or fsdp.yaml)') from None
+    from accelerate.utils import DeepSpeedPlugin
+
+    deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)   # adopts the existing group
+    plugin = DeepSpeedPlugin()                         # the config file and ZeRO stage from the launcher
+    plugin.set_mixed_precision(accelerator.mixed_precision)
+    _switch_to(accelerator, DistributedType.DEEPSPEED)
+    plugin.select(_from_accelerator_state=True)
+    accelerator.state.deepspeed_plugins = plugin
+    log.info("DeepSpeed ZeRO-%d on %d CPU processes (gloo)", zero_stage(accelerator), accelerator.num_processes)
+
+
+def _check_fsdp(accelerator) -> None:
+    """Checkpoints are written whole: a sharded state-dict setting would save one rank's shard only."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if accelerator.distributed_type != DistributedType.FSDP or plugin is None:
+        return
+    kind = getattr(plugin.state_dict_type, "name", str(plugin.state_dict_type))
+    if kind != "FULL_STATE_DICT":
+        raise ValueError(f"the FSDP config sets fsdp_state_dict_type={kind} but draftsmith writes whole "
+                         "checkpoints: set fsdp_state_dict_type: FULL_STATE_DICT in the accelerate config")
+
+
+@contextlib.contextmanager
+def whole_parameters(accelerator, model):
+    """Inside: the drafter's parameters are whole on every process, so its methods (held-out loss,
+    decoding) can be called directly, outside the wrapped forward.  Every process must enter."""
+    if accelerator.distributed_type == DistributedType.FSDP and hasattr(model, "unshard"):
+        model.unshard()
+        try:
+            yield
+        finally:
+            model.reshard()
+    elif accelerator.distributed_type == DistributedType.DEEPSPEED and zero_stage(accelerator) == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+            yield
+    else:
+        yield
+
+
+def fill_deepspeed_sizes(accelerator, hidden_size: int) -> None:
+    """ZeRO's "auto" bucket sizes, from the hidden size (accelerate would look for a `config.hidden_size`
+    on the drafter, which has none): the values accelerate itself derives from it."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    zero = plugin.deepspeed_config.get("zero_optimization", {})
+    for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
+                       ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+                       ("stage3_param_persistence_threshold", 10 * hidden_size)):
+        if zero.get(key) == "auto":
+            zero[key] = value
+
+
+@contextlib.contextmanager
+def whole_target(accelerator):
+    """Inside: the frozen target loads whole.  Under ZeRO-3 transformers would partition any model it
+    loads over the processes; the target is never trained, so each process keeps its own copy."""
+    if zero_stage(accelerator) != 3:
+        yield
+        return
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def zero_stage(accelerator) -> int:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0)) if plugin else 0
 
 
 def _check_deepspeed(accelerator, settings) -> None:

@@ -60,14 +60,19 @@ def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimiz
     tmp = directory.with_name(directory.name + ".tmp")
     rank_state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     weights = accelerator.get_state_dict(model)             # every rank takes part under FSDP / ZeRO-3
+    sharding = sharding_of(accelerator)
+    optimizer_state = _full_optimizer_state(model, optimizer) if sharding == "fsdp" else None
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "state").mkdir(parents=True)
         save_drafter(drafter, tmp, state=weights)
         save_recipe(recipe, tmp / "recipe.yaml")
-        torch.save(optimizer.state_dict(), tmp / "state" / "optimizer.pt")
+        if sharding is None:
+            torch.save(optimizer.state_dict(), tmp / "state" / "optimizer.pt")
+        elif sharding == "fsdp":          # gathered whole, keyed by parameter name
+            torch.save(optimizer_state, tmp / "state" / FSDP_OPTIMIZER)
         (tmp / "state" / "scheduler.json").write_text(json.dumps(_scheduler_state(scheduler)))  # the directory
-        (tmp / "state" / "progress.json").write_text(json.dumps(progress))                    # is swapped in whole
+        (tmp / "state" / "progress.json").write_text(json.dumps({**progress, "sharding": sharding}))  # is swapped in whole
     accelerator.wait_for_everyone()
     torch.save({"torch": rank_state["torch"], "python": _python_state(rank_state["python"])},
                tmp / "state" / f"rng-{accelerator.process_index}.pt")
@@ -75,6 +80,34 @@ def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimiz
     if accelerator.is_main_process:
         swap_directory(tmp, directory)
     accelerator.wait_for_everyone()
+
+
+FSDP_OPTIMIZER = "optimizer-fsdp.pt"
+
+
+def sharding_of(accelerator) -> str | None:
+    """'fsdp' or 'deepspeed' when the drafter's state is sharded over the processes, else None."""
+    from accelerate.utils import DistributedType
+
+    return {DistributedType.FSDP: "fsdp", DistributedType.DEEPSPEED: "deepspeed"}.get(accelerator.distributed_type)
+
+
+def _full_optimizer_state(model, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer.optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _load_sharded(found: Path, model, optimizer, accelerator) -> None:
+    """FSDP: whole weights and optimizer state, read on the main process and spread from there."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    main = accelerator.is_main_process
+    set_model_state_dict(model, read_weights(found) if main else {}, options=options)
+    saved = torch.load(found / "state" / FSDP_OPTIMIZER, weights_only=True, map_location="cpu") if main else {}
+    set_optimizer_state_dict(model, optimizer.optimizer, optim_state_dict=saved, options=options)
 
 
 def _scheduler_state(scheduler) -> dict:
@@ -121,17 +154,30 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
     if diffs:
         raise ValueError(f"cannot resume from {found}: it was trained with a different recipe ("
                          + "; ".join(diffs) + "). Use the same settings, or another output_dir")
+    progress = json.loads((found / "state" / "progress.json").read_text())
+    sharding, saved_sharding = sharding_of(accelerator), progress.pop("sharding", None)
+    if sharding == "deepspeed" or saved_sharding == "deepspeed":
+        raise ValueError(f"cannot resume {found} under DeepSpeed: its optimizer state is sharded in DeepSpeed's "
+                         "own pickled format, which draftsmith does not load. Its weights are whole: resume "
+                         "under recipes/accelerate/fsdp.yaml or ddp.yaml from a run saved there, or start anew")
+    if sharding != saved_sharding:
+        name = {None: "one process or DDP", "fsdp": "FSDP"}
+        raise ValueError(f"cannot resume {found}: it was saved under {name[saved_sharding]} and this run uses "
+                         f"{name[sharding]}; launch it the way it was saved")
     drafter = accelerator.unwrap_model(model)
     saved_identity = TargetIdentity.from_dict(read_config(found)["target"])
     if getattr(drafter, "trains_target_adapter", False):       # Medusa-2: its LoRA is restored below
         saved_identity = dataclasses.replace(saved_identity, adapter_sha256=drafter.target_identity.adapter_sha256)
     saved_identity.require_same(drafter.target_identity, f"checkpoint {found}")
-    drafter.load_state_dict(read_weights(found), strict=True)
+    if sharding == "fsdp":
+        _load_sharded(found, model, optimizer, accelerator)
+    else:
+        drafter.load_state_dict(read_weights(found), strict=True)
+        optimizer.load_state_dict(torch.load(found / "state" / "optimizer.pt", weights_only=True, map_location="cpu"))
     if hasattr(drafter, "load_adapter"):
         drafter.load_adapter(found)
     from draftsmith.heads.drafter import RESERVED
     drafter.metadata.update({k: v for k, v in read_config(found).items() if k not in RESERVED})
-    optimizer.load_state_dict(torch.load(found / "state" / "optimizer.pt", weights_only=True, map_location="cpu"))
     scheduler.load_state_dict(json.loads((found / "state" / "scheduler.json").read_text()))
     rng_file = found / "state" / f"rng-{accelerator.process_index}.pt"
     if rng_file.is_file():
@@ -139,4 +185,4 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
         torch.set_rng_state(rng["torch"])
         version, internal, gauss = rng["python"]
         random.setstate((version, tuple(internal), gauss))
-    return json.loads((found / "state" / "progress.json").read_text())
+    return progress

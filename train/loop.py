@@ -26,8 +26,8 @@ from draftsmith.heads.drafter import registry, save_drafter
 from draftsmith.heads.files import DirectoryLock
 from draftsmith.heads.target import Target
 
-from .accelerator import make_accelerator
-from .batches import Batches, feature_layers, load_training_data
+from .accelerator import fill_deepspeed_sizes, make_accelerator, whole_parameters, whole_target
+from .batches import Batches, collate, feature_layers, load_training_data
 from .checkpointing import guard_output, load_state, save_checkpoint
 from .schedule import warmup_cosine
 from .settings import Recipe
@@ -95,7 +95,8 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
 def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> TrainReport:
     torch.manual_seed(recipe.seed)
     if target is None:
-        target = recipe.target.load(accelerator.device)
+        with whole_target(accelerator):
+            target = recipe.target.load(accelerator.device)
     elif not same_device(target.device, accelerator.device):
         raise ValueError(f"the target given to fit() is on {target.device} but training runs on "
                          f"{accelerator.device}: load it with device={str(accelerator.device)!r}")
@@ -119,7 +120,9 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
              "offset": 0.0}
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(recipe.train.warmup_steps, total_steps, clock))
+    fill_deepspeed_sizes(accelerator, target.hidden_size)
     model, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
+    _write_launch(recipe, accelerator)
 
     progress_state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "tokens": 0, "seconds": 0.0}
     checkpoint_dir = recipe.out / "checkpoint"
@@ -140,6 +143,19 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
     gc.collect()
     accelerator.end_training()
     return report
+
+
+def _write_launch(recipe, accelerator) -> None:
+    """logs/launch.json: how the run was spread (what accelerate actually did, not what was asked)."""
+    from .accelerator import zero_stage
+
+    if accelerator.is_main_process:
+        (recipe.out / "logs").mkdir(parents=True, exist_ok=True)
+        (recipe.out / "logs" / "launch.json").write_text(json.dumps({
+            "distributed_type": accelerator.distributed_type.name if hasattr(accelerator.distributed_type, "name")
+            else str(accelerator.distributed_type),
+            "processes": accelerator.num_processes, "device": str(accelerator.device),
+            "zero_stage": zero_stage(accelerator), "mixed_precision": accelerator.mixed_precision}, indent=1))
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -169,14 +185,19 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
     log_path = recipe.out / "logs" / "train.jsonl"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     history: list[dict] = []
-    window = {"correct": 0.0, "counted": 0.0, "loss": 0.0, "micro": 0, "tokens": 0, "start": time.time()}
+    window = {"correct": 0.0, "counted": 0.0, "loss": 0.0, "steps": 0, "tokens": 0, "start": time.time()}
     run_start = time.time() - state["seconds"]
     stopped_by = "epochs"
     done = state["step"] >= total_steps
     while not done:
-        loader = accelerator.prepare(batches.epoch(state["epoch"]).loader())
+        sampler = batches.epoch(state["epoch"])
+        loader = accelerator.prepare(sampler.loader())
         skipped = accelerator.skip_first_batches(loader, state["batch_in_epoch"]) if state["batch_in_epoch"] else loader
         for batch in skipped:
+            if state["batch_in_epoch"] % settings.grad_accum == 0:        # an optimizer step begins
+                denominators = step_denominators(drafter, sampler, state["batch_in_epoch"], settings.grad_accum,
+                                                 accelerator.num_processes)
+            batch["loss_denominators"] = denominators.to(accelerator.device)
             out = _train_step(accelerator, model, optimizer, scheduler, target, batch, layers, settings,
                               state, checkpoint_dir, window)
             state["batch_in_epoch"] += 1
@@ -185,11 +206,11 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
             window["tokens"] += tokens
             window["correct"] = window["correct"] + out.correct.detach()
             window["counted"] = window["counted"] + out.counted.detach()
-            window["loss"] += out.loss.item()
-            window["micro"] += 1
+            window["loss"] += out.loss.item() / (accelerator.num_processes * settings.grad_accum)   # this share of the step's mean
             if not accelerator.sync_gradients:
                 continue
             state["step"] += 1
+            window["steps"] += 1
             state["seconds"] = time.time() - run_start
             if state["step"] % settings.log_every == 0 or state["step"] == total_steps:
                 history.append(_log_window(accelerator, window, state, scheduler, log_path, progress))
@@ -238,6 +259,17 @@ def decode_heldout(recipe, target, drafter, heldout) -> dict:
             "eval/per_position_acceptance": metrics.per_position_acceptance(accepted, max(depth, 1))}
 
 
+def step_denominators(drafter, sampler, first: int, grad_accum: int, processes: int) -> torch.Tensor:
+    """Each loss term's token count over the optimizer step whose first micro-batch is `first`: all its
+    global batches (every process's slice), counted from the masks alone.  Divided by processes x
+    grad_accum, because accelerate (and DeepSpeed) divides each micro-batch's loss by grad_accum and the
+    processes' gradients are averaged: what is applied is then the gradient of the mean over the step's
+    tokens, the same however the step is split (heads/drafter.py, term_denominators)."""
+    counts = [drafter.loss_counts(collate(sampler.batches._rows(group)))
+              for group in sampler.groups[first: first + grad_accum]]
+    return torch.stack(counts).sum(0) / (processes * grad_accum)
+
+
 def _train_step(accelerator, model, optimizer, scheduler, target, batch, layers, settings, state, checkpoint_dir,
                 window):
     """One micro-batch: features, loss, backward; the optimizer steps when accumulation is complete."""
@@ -252,7 +284,9 @@ def _train_step(accelerator, model, optimizer, scheduler, target, batch, layers,
                 f"checkpoint ({checkpoint_dir}) is kept; lower train.lr or check the data, then resume=true")
         accelerator.backward(out.loss)
         if accelerator.sync_gradients and settings.grad_clip > 0:
-            window["grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), settings.grad_clip))
+            norm = accelerator.clip_grad_norm_(model.parameters(), settings.grad_clip)   # DeepSpeed: None (it
+            if norm is not None:                                                         # clips in its own step)
+                window["grad_norm"] = float(norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
@@ -273,7 +307,7 @@ def _log_window(accelerator, window, state, scheduler, log_path, progress) -> di
     agreement = (correct / counted.clamp(min=1)).tolist()
     elapsed = time.time() - window["start"]
     tokens = accelerator.reduce(torch.tensor(float(window["tokens"])), reduction="sum").item()
-    loss = accelerator.reduce(torch.tensor(window["loss"] / max(1, window["micro"])), reduction="mean").item()
+    loss = accelerator.reduce(torch.tensor(window["loss"]), reduction="sum").item() / max(1, window["steps"])
     metrics = {
         "step": state["step"], "epoch": state["epoch"],
         "train/loss": loss,
@@ -294,7 +328,7 @@ def _log_window(accelerator, window, state, scheduler, log_path, progress) -> di
             print(f"step {state['step']:>5}  loss {metrics['train/loss']:.3f}  agreement [{heads}]  "
                   f"sim-tau {metrics['train/simulated_tau']:.2f}  lr {metrics['train/lr']:.2e}  "
                   f"{metrics['train/tokens_per_second']:.0f} tok/s", flush=True)
-    window.update(correct=0.0, counted=0.0, loss=0.0, micro=0, tokens=0, start=time.time())
+    window.update(correct=0.0, counted=0.0, loss=0.0, steps=0, tokens=0, start=time.time())
     window.pop("grad_norm", None)
     return metrics
 
@@ -302,6 +336,11 @@ def _log_window(accelerator, window, state, scheduler, log_path, progress) -> di
 @torch.no_grad()
 def validate(recipe, accelerator, target, model, heldout, state, log_path, calibrate: bool = False) -> dict:
     """Held-out top-1 agreement per draft position (and, at the end, top-k rates for tree building)."""
+    with whole_parameters(accelerator, model):
+        return _validate(recipe, accelerator, target, model, heldout, state, log_path, calibrate)
+
+
+def _validate(recipe, accelerator, target, model, heldout, state, log_path, calibrate: bool) -> dict:
     drafter = accelerator.unwrap_model(model)
     model.eval()
     correct = counted = None
