@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from draftsmith.heads.files import save_tensors_atomic
+from draftsmith.heads.files import require_free_space, save_tensors_atomic
 
 log = logging.getLogger(__name__)
 
@@ -147,9 +147,11 @@ def build_missing(target, shards: list[Path], layers, out_dir: Path, progress: b
     if not todo:
         return 0
     tokens = sum(len(r["input_ids"]) for shard, _ in todo for r in read_shard(shard))
+    size = estimate_bytes(tokens, layers, target.hidden_size)
     log.info("feature cache: %d shards to compute, about %.1f MB (%d tokens x %d layers x %d x bf16) in %s",
-             len(todo), estimate_bytes(tokens, layers, target.hidden_size) / 1e6, tokens, len(set(layers)),
-             target.hidden_size, out_dir)
+             len(todo), size / 1e6, tokens, len(set(layers)), target.hidden_size, out_dir)
+    require_free_space(out_dir, size, f"the feature cache ({tokens} tokens x {len(set(layers))} layers x "
+                       f"{target.hidden_size} x bf16; train.features=online needs none)")
     for shard, path in tqdm(todo, desc="feature cache", disable=not progress):
         records = read_shard(shard)
         write_shard(path, compute_features(target, records, layers), layers, target.identity.weights_sha256)

@@ -69,7 +69,9 @@ def coerce(value, annotation, where: str):
     if annotation is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"{where} must be a string, got {value!r}")
+        hint = (" (YAML reads an unquoted no, yes, on or off as true/false: quote it, as in 'no')"
+                if isinstance(value, bool) else "")
+        raise ConfigError(f"{where} must be a string, got {value!r}{hint}")
     return value
 
 

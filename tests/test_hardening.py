@@ -286,6 +286,24 @@ def test_13_full_disk_is_named_with_the_space_needed(trained, tmp_path, capsys, 
     assert not list((tmp_path / "run" / "data" / "shards").glob("*.jsonl"))
 
 
+def test_13_a_feature_cache_the_disk_cannot_hold_is_refused_before_it_is_written(trained, tiny_target, tmp_path,
+                                                                                    monkeypatch):
+    """Data made without a cache, then a cache for it: refused with both numbers, nothing written."""
+    import shutil
+
+    from draftsmith.data import features as feature_cache
+    from draftsmith.data.distill import shard_paths
+    from draftsmith.heads.files import StorageError
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    out = tmp_path / "cache"
+    with pytest.raises(StorageError, match=r"the feature cache \(\d+ tokens x 2 layers x 64 x bf16; "
+                                           r"train.features=online needs none\) needs about .* only 1000 bytes is free"):
+        feature_cache.build_missing(tiny_target, shard_paths(trained.run / "data"), [0, 1], out, progress=False)
+    assert not list(out.glob("*.safetensors"))
+
+
 def test_unexpected_errors_are_one_line_and_verbose_shows_the_traceback(tiny_target, tmp_path, capsys,
                                                                          monkeypatch):
     medusa_checkpoint(tiny_target, tmp_path / "ckpt", num_heads=2, lm_head="own")

@@ -97,6 +97,65 @@ def test_two_processes_reach_the_losses_of_one_with_the_same_global_batch(one_pr
     assert drafter.kind == "medusa"
 
 
+def test_eagle3_under_zero3_with_an_uneven_held_out_split_matches_one_process(tiny_target_dir, tmp_path):
+    """EAGLE-3 under ZeRO-3, whose weights are gathered inside every call: the held-out batches do not
+    divide evenly between the processes (each still makes the same calls, or they would wait on each
+    other forever), and the run reaches the one-process losses and weights."""
+    import shutil
+
+    from draftsmith.heads.target import Target
+    from draftsmith.train.batches import load_training_data
+    from draftsmith.train.settings import recipe_from_dict
+
+    raw = tiny_recipe(tmp_path, tiny_target_dir, epochs=2, log_every=1, eval_prompts=0, heldout_fraction=0.3)
+    raw.update(method="eagle3", drafter={"draft_vocab_size": 64, "ttt_steps": 2})
+    raw["data"].update(source=str(chats_of_unequal_replies(tmp_path / "unequal.jsonl", 40)), mode="prefill")
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(yaml.safe_dump(raw))
+    one = run_train(recipe_path, tmp_path / "one", "train.batch_size=8")
+    data = load_training_data(recipe_from_dict({**raw, "output_dir": str(tmp_path / "one")}),
+                              Target.load(str(tiny_target_dir), "float32"))
+    assert -(-len(data.heldout["id"]) // 4) % 2 == 1        # an odd number of held-out batches of 4
+    shutil.copytree(tmp_path / "one" / "data", tmp_path / "two" / "data")
+    two = run_train(recipe_path, tmp_path / "two", "train.batch_size=4", processes=2, config="deepspeed-zero3",
+                    port=29551)
+    losses_one = [r["train/loss"] for r in one if "train/loss" in r]
+    losses_two = [r["train/loss"] for r in two if "train/loss" in r]
+    assert len(losses_one) == len(losses_two) >= 4
+    for a, b in zip(losses_one, losses_two):
+        assert abs(a - b) <= 1e-4 * abs(a), (losses_one, losses_two)
+    w1 = load_file(str(tmp_path / "one" / "checkpoint" / "model.safetensors"))
+    w2 = load_file(str(tmp_path / "two" / "checkpoint" / "model.safetensors"))
+    for key in w1:
+        assert torch.allclose(w1[key], w2[key], atol=1e-4), key
+    assert [r for r in one if "heldout/agreement" in r][-1]["heldout/agreement"] == pytest.approx(
+        [r for r in two if "heldout/agreement" in r][-1]["heldout/agreement"], abs=1e-6)
+
+def test_two_machines_simulated_on_one_reach_the_losses_of_one_process(one_process_run, tmp_path):
+    """The README's two-node command, both nodes on localhost: `--num_machines 2 --machine_rank 0|1`,
+    one process each, against one process with the same global batch."""
+    import shutil
+
+    recipe_path, one, one_dir = one_process_run
+    shutil.copytree(one_dir / "data", tmp_path / "two" / "data")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    nodes = [subprocess.Popen(
+        [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", "recipes/accelerate/ddp.yaml",
+         "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+         "--main_process_port", "29541", "--mixed_precision", "no", "-m", "draftsmith", "train", str(recipe_path),
+         f"output_dir={tmp_path / 'two'}", "train.batch_size=4"],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    ran = json.loads((tmp_path / "two" / "logs" / "launch.json").read_text())
+    assert ran["processes"] == 2
+    two = [json.loads(line) for line in (tmp_path / "two" / "logs" / "train.jsonl").read_text().splitlines()]
+    losses_one = [r["train/loss"] for r in one if "train/loss" in r]
+    losses_two = [r["train/loss"] for r in two if "train/loss" in r]
+    assert len(losses_one) == len(losses_two) >= 4
+    for a, b in zip(losses_one, losses_two):
+        assert abs(a - b) <= 1e-4 * abs(a), (losses_one, losses_two)
+
 def test_an_fsdp_run_killed_and_resumed_ends_where_one_process_does(one_process_run, tmp_path):
     """FSDP's optimizer state is gathered whole into the checkpoint and spread again on resume: a
     2-process FSDP run killed mid-run (SIGKILL to the launcher's process group) and resumed reaches the
@@ -261,6 +320,18 @@ def test_accelerate_configs_are_complete_and_name_their_command(path):
         reconcile_deepspeed_config(dict(ds), TrainSettings(batch_size=2, grad_accum=4), 8)
     if config["distributed_type"] == "FSDP":
         assert config["fsdp_config"]["fsdp_state_dict_type"] == "FULL_STATE_DICT"   # checkpoints stay whole
+
+
+def test_the_launchers_mixed_precision_fills_auto_and_a_contradiction_is_named(monkeypatch):
+    from draftsmith.train.accelerator import launch_precision
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    assert launch_precision("auto") == "auto" and launch_precision("no") == "no"        # no launcher: the recipe
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert launch_precision("auto") == "bf16" and launch_precision("bf16") == "bf16"
+    with pytest.raises(ValueError, match=r"accelerate config sets mixed_precision=bf16 but the recipe has "
+                                         r"train.mixed_precision=no"):
+        launch_precision("no")
 
 
 def test_deepspeed_config_that_disagrees_with_the_recipe_is_named():

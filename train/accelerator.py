@@ -64,10 +64,10 @@ def make_accelerator(recipe: Recipe):
 
 
 def launch_precision(recipe_value: str) -> str:
-    """The recipe's train.mixed_precision, reconciled with an FSDP or DeepSpeed launch config's
-    `mixed_precision`: 'auto' takes the launcher's; two explicit values that differ are refused."""
+    """The recipe's train.mixed_precision, reconciled with the `mixed_precision` of `accelerate launch`
+    (its config file or flag): 'auto' takes the launcher's; two values that differ are refused."""
     given = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    if launched_with() is None or not given:
+    if not given:
         return recipe_value
     if recipe_value == "auto":
         return given

@@ -345,17 +345,22 @@ def _validate(recipe, accelerator, target, model, heldout, state, log_path, cali
     model.eval()
     correct = counted = None
     hits = hit_counted = None
-    for batch in heldout.in_order()[accelerator.process_index::accelerator.num_processes]:
+    batches = heldout.in_order()
+    mine = batches[accelerator.process_index::accelerator.num_processes]
+    # every process makes the same number of calls (ZeRO-3 gathers weights inside them, all processes
+    # together): one whose share is shorter repeats a batch that counts for nothing
+    for i in range(math.ceil(len(batches) / accelerator.num_processes)):
+        batch, weight = (mine[i], 1) if i < len(mine) else (batches[0], 0)
         batch = {k: (v.to(accelerator.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
         batch["features"] = _features(target, batch, drafter.required_layers)
         with accelerator.autocast():
             out = drafter.loss(batch)
             if calibrate and hasattr(drafter, "topk_hits"):
-                h, c = drafter.topk_hits(batch)
+                h, c = (t * weight for t in drafter.topk_hits(batch))
                 hits = h if hits is None else hits + h
                 hit_counted = c if hit_counted is None else hit_counted + c
-        correct = out.correct if correct is None else correct + out.correct
-        counted = out.counted if counted is None else counted + out.counted
+        correct = out.correct * weight if correct is None else correct + out.correct * weight
+        counted = out.counted * weight if counted is None else counted + out.counted * weight
     if calibrate and hasattr(drafter, "topk_hits") and hits is None:     # this process had no held-out batch
         hits, hit_counted = drafter.topk_hits(None)
     empty = torch.zeros(drafter.draft_positions, device=accelerator.device)
