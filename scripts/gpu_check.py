@@ -4,7 +4,8 @@
 
 Stages on a tiny random Llama (4 layers, hidden 64, built here): data, train Medusa and EAGLE-3
 (20 steps each), eval (fp32 exactness, tau, tokens/s with device synchronisation), export --to vllm,
-and a 2-process DDP run when two GPUs are visible; then one short quickstart on the default target.
+and 2-process runs under accelerate launch (ddp, fsdp, deepspeed-zero3) when two GPUs are visible;
+then one short quickstart on the default target.
 While the stages run, the device of each tensor family is recorded: target weights (Target.load),
 engine caches (EngineCache), drafter weights and training batches (each drafter's loss()).
 """
@@ -136,19 +137,27 @@ def tiny_stages(work: Path, device, gpus: int, results: list) -> None:
         stage(f"tiny: export {method}", lambda m=method: run("export", work / m / "checkpoint", "--to", "vllm",
                                                              work / f"export-{m}", "--device", device), results)
     if gpus >= 2:
-        def ddp():
+        import importlib.util
+        import shutil
+
+        def launch(config):
             env = dict(os.environ, PYTHONPATH=str(REPO))
-            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
-                                   "draftsmith", "train", str(recipes["eagle3"]), f"output_dir={work / 'ddp'}",
-                                   "train.batch_size=2"], env=env, capture_output=True, text=True, timeout=600)
+            done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                                   f"recipes/accelerate/{config}.yaml", "--num_processes", "2", "-m", "draftsmith",
+                                   "train", str(recipes["eagle3"]), f"output_dir={work / config}", "train.batch_size=2"],
+                                  env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
             if done.returncode:
                 raise RuntimeError(done.stderr[-2000:])
-            return done.stdout.strip().splitlines()[-1]
-        import shutil
-        shutil.copytree(work / "eagle3" / "data", work / "ddp" / "data")
-        stage("tiny: DDP 2 processes", ddp, results)
+            ran = (work / config / "logs" / "launch.json").read_text().replace("\n", " ")
+            return done.stdout.strip().splitlines()[-1] + " " + ran
+        for config in ("ddp", "fsdp", "deepspeed-zero3"):
+            if config.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+                print(f"SKIP  tiny: {config} 2 processes   deepspeed is not installed here", flush=True)
+                continue
+            shutil.copytree(work / "eagle3" / "data", work / config / "data")
+            stage(f"tiny: {config} 2 processes", lambda c=config: launch(c), results)
     else:
-        print("SKIP  tiny: DDP 2 processes      one GPU visible", flush=True)
+        print("SKIP  tiny: ddp, fsdp, deepspeed-zero3 2 processes   one GPU visible", flush=True)
 
 
 def main() -> int:

@@ -4,8 +4,8 @@
 # The prepared GPU check: every verb of draftsmith on CUDA, one line per stage
 # (PASS/FAIL, seconds, and the device each tensor family was on):
 #   tiny random Llama: data, train (Medusa and EAGLE-3, 20 steps each), eval (fp32
-#   exactness, tau, tokens/s with device synchronisation), export --to vllm, and a
-#   2-process DDP run when two GPUs are visible;
+#   exactness, tau, tokens/s with device synchronisation), export --to vllm, and
+#   2-process ddp, fsdp and deepspeed-zero3 runs (accelerate launch) when two GPUs are visible;
 #   the default target (SmolLM2-135M): one short quickstart with small budgets.
 #
 # Offline machines: put wheels for what the machine lacks in a folder and pass it as
