@@ -165,6 +165,7 @@ class Target:
         self.lm_head: nn.Module = model.get_output_embeddings()
         self.identity = identity or base_identity(model, name)
         self.adapter: Adapter | None = None                    # set by load()
+        self.layers_loaded = True      # False: embedding and lm_head only (heads/target_heads.py)
         self.eos_token_ids = self._eos_ids()
         self.source = name
         self.precision = str(self.dtype).replace("torch.", "")     # what the forwards compute in
@@ -173,12 +174,13 @@ class Target:
     @classmethod
     def load(cls, path: str = "smollm2-135m", dtype: str | torch.dtype = "auto",
              device: str | torch.device | None = "auto", trust_remote_code: bool = False,
-             adapter: str | Path | None = None, merge_adapter: bool = True) -> Target:
+             adapter: str | Path | None = None, merge_adapter: bool = True, layers: bool = True) -> Target:
         """Load a target from a local HF directory, a hub id in the local cache, a .gguf file or 'smollm2-135m'.
 
         device: 'auto' (cuda when present, else cpu), or a device name (heads/device.py);
         dtype 'auto' is bf16 where that device computes it natively; adapter: a peft LoRA directory
-        put on the model (merged into its weights unless merge_adapter is false)."""
+        put on the model (merged into its weights unless merge_adapter is false); layers=False: only
+        the embedding and lm_head, when the files allow it and there is no adapter (heads/target_heads.py)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         device = resolve_device(device)
@@ -186,6 +188,14 @@ class Target:
         model_dir, name = resolve_target_path(path, trust_remote_code=trust_remote_code)
         _require_causal_lm(Path(model_dir), path)
         torch_dtype = resolve_dtype(dtype, device)
+        if not layers and lora is None:
+            from .target_heads import load_heads
+
+            heads_dtype = torch.float32 if torch_dtype == torch.float16 and device.type == "cpu" else torch_dtype
+            target = load_heads(Path(model_dir), name, heads_dtype, device, trust_remote_code)
+            if target is not None:
+                target.source = path if not Path(path).expanduser().exists() else str(Path(path).expanduser().resolve())
+                return target
         # float16 on a CPU: fp32 weights, plus fp16 copies packed for small blocks (heads/cpu_linear.py)
         packed = torch_dtype == torch.float16 and device.type == "cpu"
         try:
@@ -255,6 +265,11 @@ class Target:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def require_layers(self, what: str) -> None:
+        if not self.layers_loaded:
+            raise TargetError(f"{what} needs the target's layers, but target '{self.name}' was loaded with its "
+                              "embedding and lm_head only (cache-mode training, export): load it whole")
+
     def check_layer_ids(self, layer_ids, what: str = "layer ids") -> tuple[int, ...]:
         layer_ids = tuple(int(i) for i in layer_ids)
         bad = [i for i in layer_ids if not 0 <= i <= self.num_layers]
@@ -275,6 +290,7 @@ class Target:
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  layer_ids) -> dict[int, torch.Tensor]:
         """Hidden states for training: input_ids [b, s] -> {layer id: [b, s, d]} (no grad)."""
+        self.require_layers("computing hidden states")
         layer_ids = self.check_layer_ids(layer_ids)
         need_all = any(i != self.num_layers for i in layer_ids)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
@@ -294,6 +310,7 @@ class Target:
         tokens (None = causal); valid: [b, n] (None = all real tokens).
         logits: "all" ([b, n, v]), "last" ([b, 1, v]) or "none".
         """
+        self.require_layers("decoding")
         need_all = any(i != self.num_layers for i in layer_ids)
         cache.begin_block(positions, block_mask, valid)
         b, n = input_ids.shape

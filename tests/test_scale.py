@@ -251,6 +251,29 @@ def test_a_loss_split_over_micro_batches_with_the_steps_counts_equals_the_whole_
     own = [_loss_and_grads(drafter, target, rows[i:i + 2])[0] for i in (0, 2)]       # per-micro-batch means
     assert abs(float((own[0] + own[1]) / 2 - whole)) > 1e-3 * float(whole)
 
+@pytest.mark.parametrize("method", ["medusa", "eagle3"])
+def test_cache_mode_training_loads_only_the_targets_embedding_and_head(tiny_target_dir, tmp_path, method):
+    """With the feature cache all there and no held-out decoding, training reads two matrices of the
+    target instead of the whole model, and ends on the same weights as with the whole target."""
+    from draftsmith.heads.target import Target
+
+    raw = tiny_recipe(tmp_path, tiny_target_dir, epochs=1, eval_prompts=1)
+    if method == "eagle3":
+        raw.update(method="eagle3", drafter={"draft_vocab_size": 64, "ttt_steps": 2})
+    whole = fit(recipe_from_dict(raw), progress=False)          # makes the data and cache; decodes: whole target
+    assert json.loads((tmp_path / "run" / "logs" / "launch.json").read_text())["target"] == "whole"
+    w1 = load_file(str(Path(whole.checkpoint) / "model.safetensors"))
+    light = Target.load(str(tiny_target_dir), "float32", "cpu", layers=False)
+    assert not light.layers_loaded and light.identity == Target.load(str(tiny_target_dir), "float32", "cpu").identity
+    raw["train"].update(eval_prompts=0)
+    raw["overwrite"] = True
+    again = fit(recipe_from_dict(raw), progress=False)
+    assert json.loads((tmp_path / "run" / "logs" / "launch.json").read_text())["target"] == "embedding and lm_head only"
+    assert again.heldout_agreement == pytest.approx(whole.heldout_agreement, abs=1e-6)
+    w2 = load_file(str(Path(again.checkpoint) / "model.safetensors"))
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+
+
 # -- W&B ---------------------------------------------------------------------------------------------
 
 def wandb_history_keys(run_file: Path) -> set[str]:

@@ -24,7 +24,7 @@ from draftsmith.eval.metrics import simulated_tau
 from draftsmith.heads.device import same_device
 from draftsmith.heads.drafter import registry, save_drafter
 from draftsmith.heads.files import DirectoryLock
-from draftsmith.heads.target import Target
+from draftsmith.heads.target import Target, TargetError
 
 from .accelerator import fill_deepspeed_sizes, make_accelerator, whole_parameters, whole_target
 from .batches import Batches, collate, feature_layers, load_training_data
@@ -95,14 +95,21 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
 def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> TrainReport:
     torch.manual_seed(recipe.seed)
     if target is None:
-        with whole_target(accelerator):
-            target = recipe.target.load(accelerator.device)
+        target = _training_target(recipe, accelerator)
     elif not same_device(target.device, accelerator.device):
         raise ValueError(f"the target given to fit() is on {target.device} but training runs on "
                          f"{accelerator.device}: load it with device={str(accelerator.device)!r}")
     layers = feature_layers(recipe, target)
     with accelerator.main_process_first():      # one process makes the data and cache; the others then read them
-        data = load_training_data(recipe, target, layers)
+        try:
+            data = load_training_data(recipe, target, layers)
+        except TargetError:
+            if target.layers_loaded:
+                raise
+            log.info("the feature cache needs work: loading the whole target")     # a shard to (re)build
+            with whole_target(accelerator):
+                target = recipe.target.load(accelerator.device)
+            data = load_training_data(recipe, target, layers)
     torch.manual_seed(recipe.seed)      # the drafter's init must not depend on what ran before (data, checks)
     drafter = build_drafter(recipe, target, data.train).to(accelerator.device)
     global_batch = recipe.train.batch_size * accelerator.num_processes
@@ -122,7 +129,7 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
         optimizer, warmup_cosine(recipe.train.warmup_steps, total_steps, clock))
     fill_deepspeed_sizes(accelerator, target.hidden_size)
     model, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
-    _write_launch(recipe, accelerator)
+    _write_launch(recipe, accelerator, target)
 
     progress_state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "tokens": 0, "seconds": 0.0}
     checkpoint_dir = recipe.out / "checkpoint"
@@ -145,7 +152,7 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
     return report
 
 
-def _write_launch(recipe, accelerator) -> None:
+def _write_launch(recipe, accelerator, target) -> None:
     """logs/launch.json: how the run was spread (what accelerate actually did, not what was asked)."""
     from .accelerator import zero_stage
 
@@ -155,7 +162,35 @@ def _write_launch(recipe, accelerator) -> None:
             "distributed_type": accelerator.distributed_type.name if hasattr(accelerator.distributed_type, "name")
             else str(accelerator.distributed_type),
             "processes": accelerator.num_processes, "device": str(accelerator.device),
-            "zero_stage": zero_stage(accelerator), "mixed_precision": accelerator.mixed_precision}, indent=1))
+            "zero_stage": zero_stage(accelerator), "mixed_precision": accelerator.mixed_precision,
+            "target": "whole" if target.layers_loaded else "embedding and lm_head only"}, indent=1))
+
+
+def _training_target(recipe, accelerator) -> Target:
+    """The whole target, or only its embedding and lm_head when nothing in this process runs its layers:
+    training from a feature cache that is all there, no held-out decoding in this process (eval_prompts
+    0, or not the main process), and a drafter that neither trains part of the target (Medusa-2) nor
+    copies its layers (init_from_target).  A 70B target then costs each process two matrices."""
+    from draftsmith.data import features as feature_cache
+
+    decodes_here = recipe.train.eval_prompts > 0 and accelerator.is_main_process
+    light = (recipe.train.features == "cache" and not decodes_here and recipe.method != "medusa2"
+             and not getattr(recipe.drafter, "init_from_target", False) and not recipe.target.adapter
+             and (recipe.out / "data" / "tokenized").is_dir())
+    with whole_target(accelerator):
+        if light:
+            target = recipe.target.load(accelerator.device, layers=False)
+            if target.layers_loaded:        # its files did not allow it: loaded whole already
+                return target
+            data_dir = recipe.out / "data"
+            layers = feature_layers(recipe, target)
+            shards = len(list((data_dir / "shards").glob("shard-*.jsonl")))
+            cache = feature_cache.existing_superset(data_dir, layers) or feature_cache.cache_dir(data_dir, layers)
+            if len(list(cache.glob("shard-*.safetensors"))) == shards:
+                log.info("training from the feature cache: target %s loaded with its embedding and lm_head only",
+                         target.name)
+                return target
+        return recipe.target.load(accelerator.device)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -54,14 +54,15 @@ class TargetSettings:
             except AdapterError as err:
                 raise RecipeError(str(err)) from None
 
-    def load(self, device=None):
-        """The target these settings describe, on `device` (default: target.device)."""
+    def load(self, device=None, layers: bool = True):
+        """The target these settings describe, on `device` (default: target.device); layers=False: its
+        embedding and lm_head only, where that is possible (heads/target_heads.py)."""
         from draftsmith.heads.device import resolve_device
         from draftsmith.heads.target import Target
 
         return Target.load(self.path, self.dtype, resolve_device(self.device if device is None else device),
                            trust_remote_code=self.trust_remote_code, adapter=self.adapter,
-                           merge_adapter=self.merge_adapter)
+                           merge_adapter=self.merge_adapter, layers=layers)
 
 
 @dataclass
