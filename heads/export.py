@@ -106,7 +106,7 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
     check_weights(weights, config, str(checkpoint))
     check_destination(checkpoint, out_dir, overwrite)
     needed = _needs_target(config, fmt) or target_path or with_target
-    target = _target_for(config, target_path, dtype, device) if needed else None
+    target = _target_for(config, target_path, dtype, device, layers=with_target) if needed else None
     from . import export_formats
     tensors, files = export_formats.WRITERS[(kind, fmt)](config, weights, target, _dtype(dtype), checkpoint)
     if config.get("target_adapter") and "README.md" in files:
@@ -184,14 +184,15 @@ def _needs_target(config: dict, fmt: str) -> bool:
     return (config["kind"] == "medusa" and config["drafter"]["lm_head"] == "shared") or fmt == "sglang"
 
 
-def _target_for(config: dict, target_path: str | None, dtype: str, device: str):
+def _target_for(config: dict, target_path: str | None, dtype: str, device: str, layers: bool = False):
     """The target, for its identity and the matrices an export carries: in bf16 on the resolved device
-    for a bf16 export (no precision lost), in fp32 for fp32/fp16 exports."""
+    for a bf16 export (no precision lost), in fp32 for fp32/fp16 exports.  Only its embedding and
+    lm_head are read, unless the export writes the whole target (layers=True)."""
     from .device import resolve_device
     from .drafter import checkpoint_target
     from .target import TargetIdentity
 
     load_dtype = "bfloat16" if dtype == "bfloat16" else "float32"
-    target = checkpoint_target(config, load_dtype, resolve_device(device), target_path)
+    target = checkpoint_target(config, load_dtype, resolve_device(device), target_path, layers=layers)
     TargetIdentity.from_dict(config["target"]).require_same(target.identity, "the checkpoint")
     return target
