@@ -72,7 +72,8 @@ def cmd_train(args) -> dict:
 
 
 EVAL_KEYS = ("prompts", "limit", "max_new_tokens", "temperature", "top_p", "rule", "dtype", "baselines",
-             "exact_prompts", "seed", "cost_per_hour", "target", "adapter", "device", "max_minutes", "lookup")   # flag names = keys
+             "exact_prompts", "seed", "cost_per_hour", "target", "adapter", "device", "device_map", "max_minutes",
+             "lookup")   # flag names = keys
 
 
 def eval_settings(args):
@@ -274,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA adapter on the target (default: the one the checkpoint was trained with; none: bare)")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--device", default=S, help="auto (default: cuda when present, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--device-map", default=S, help="spread the target over the devices: auto, balanced, "
+                   "balanced_low_0 or sequential (default: none)")
     p.add_argument("--max-minutes", default=S,
                    help="fit the timed runs into this budget (prompts, then tokens, cut from a measured forward cost)")
 

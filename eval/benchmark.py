@@ -168,7 +168,7 @@ class ExactCheck:
 def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOptions, count: int) -> ExactCheck:
     """fp32: speculative greedy equals plain greedy token for token, on the first `count` prompts."""
     target32 = checkpoint_target(read_config(checkpoint), "float32", resolve_device(options.device), target_path,
-                                 options.adapter)
+                                 options.adapter, device_map=options.device_map)
     drafter32 = configure_proposal(load_drafter(checkpoint, target32).float(), target32, options)
     accepted = []
     for prompt_id, prompt in prompts[:count]:
@@ -186,7 +186,7 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
     target_path = options.target or config.get("target_source") or config["target"]["name"]
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
-    target = checkpoint_target(config, dtype, device, target_path, options.adapter)
+    target = checkpoint_target(config, dtype, device, target_path, options.adapter, device_map=options.device_map)
     drafter = load_drafter(checkpoint, target).to(target.dtype)     # fp32 beside a CPU float16 (packed) target
     drafter = configure_proposal(drafter, target, options)
     description = drafter.describe_proposal()

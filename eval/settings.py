@@ -54,6 +54,9 @@ class EvalSettings:
     """LoRA adapter on the target (default: the one the checkpoint was trained with; none: the bare target)."""
     device: str = "auto"
     """auto (cuda when present, else cpu), cpu, cuda or cuda:N."""
+    device_map: str | None = None
+    """A target bigger than one device: auto, balanced, balanced_low_0 or sequential (transformers'
+    big-model loading); null: the whole target on `device`."""
     max_minutes: float | None = None
     """Fit the timed runs into this many minutes: prompts (then tokens) are cut from a measured forward cost."""
     tree_depth_topk_total: tuple | None = field(default=None, init=False, repr=False)
@@ -68,6 +71,12 @@ class EvalSettings:
         for name, allowed in (("proposal", PROPOSALS), ("rule", RULES), ("dtype", DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"eval.{name} must be one of {', '.join(allowed)}, got '{getattr(self, name)}'")
+        if self.device_map is not None:
+            from draftsmith.heads.device import DeviceError, check_device_map
+            try:
+                check_device_map(self.device_map)
+            except DeviceError as err:
+                raise ConfigError(f"eval.device_map: {err}") from None
         if self.lookup < 0:
             raise ConfigError(f"eval.lookup must be >= 0 (0 = off), got {self.lookup}")
         for name in ("limit", "max_new_tokens", "lookup_ngram"):

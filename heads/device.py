@@ -56,6 +56,38 @@ def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
     raise DeviceError(f"device '{name}' is not on this machine (it has {available_devices()})")
 
 
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def check_device_map(device_map):
+    """A target's `device_map` for transformers' big-model loading: one of DEVICE_MAP_STRATEGIES, or a
+    mapping {module name: device} whose every device is on this machine ('disk' offloads)."""
+    if device_map is None:
+        return None
+    if isinstance(device_map, str):
+        if device_map not in DEVICE_MAP_STRATEGIES:
+            raise DeviceError(f"device_map '{device_map}' is not one of {list(DEVICE_MAP_STRATEGIES)} nor a mapping "
+                              "{module name: device}")
+        return device_map
+    if not isinstance(device_map, dict) or not device_map:
+        raise DeviceError(f"device_map must be {list(DEVICE_MAP_STRATEGIES)} or a mapping {{module: device}}, "
+                          f"got {device_map!r}")
+    checked = {}
+    for module, where in device_map.items():
+        if where == "disk":
+            checked[module] = where
+            continue
+        name = f"cuda:{where}" if isinstance(where, int) and not isinstance(where, bool) else str(where)
+        try:
+            checked[module] = str(resolve_device(name)) if name != "auto" else None
+        except DeviceError:
+            raise DeviceError(f"device_map puts '{module}' on '{where}', which is not on this machine; the "
+                              f"devices here are {available_devices()} (and 'disk')") from None
+        if checked[module] is None:
+            raise DeviceError(f"device_map puts '{module}' on 'auto': name a device, one of {available_devices()}")
+    return checked
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait until the device has finished its queued work (CUDA, MPS); nothing to wait for on the CPU."""
     device = torch.device(device)

@@ -177,7 +177,7 @@ def cached_attention(cache: EngineCache, layer: int, query: torch.Tensor, key: t
     query: [b, hq, n, d]; key, value: [b, hk, n, d] (RoPE applied).  Returns [b, n, hq, d].
     """
     keys, values = cache.append(layer, key, value)                        # [b, hk, t, d]
-    mask = cache.mask_for(sliding_window)                                 # [b, 1, n, t]
+    mask = cache.mask_for(sliding_window).to(query.device)                # [b, 1, n, t]; a device_map's layer
     b, hq, n, d = query.shape
     hk, t = keys.shape[1], keys.shape[2]
     scaling = d ** -0.5 if scaling is None else scaling

@@ -20,7 +20,7 @@ from torch import nn
 from . import engine
 from .adapter import Adapter
 from .assets import resolve_target_path
-from .device import resolve_device
+from .device import check_device_map, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -174,13 +174,16 @@ class Target:
     @classmethod
     def load(cls, path: str = "smollm2-135m", dtype: str | torch.dtype = "auto",
              device: str | torch.device | None = "auto", trust_remote_code: bool = False,
-             adapter: str | Path | None = None, merge_adapter: bool = True, layers: bool = True) -> Target:
+             adapter: str | Path | None = None, merge_adapter: bool = True, layers: bool = True,
+             device_map=None) -> Target:
         """Load a target from a local HF directory, a hub id in the local cache, a .gguf file or 'smollm2-135m'.
 
         device: 'auto' (cuda when present, else cpu), or a device name (heads/device.py);
         dtype 'auto' is bf16 where that device computes it natively; adapter: a peft LoRA directory
         put on the model (merged into its weights unless merge_adapter is false); layers=False: only
-        the embedding and lm_head, when the files allow it and there is no adapter (heads/target_heads.py)."""
+        the embedding and lm_head, when the files allow it and there is no adapter (heads/target_heads.py);
+        device_map: spread the layers over several devices (heads/device.py, check_device_map); inputs
+        then go to the embedding's device, and hidden states and logits come back there."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         device = resolve_device(device)
@@ -188,6 +191,7 @@ class Target:
         model_dir, name = resolve_target_path(path, trust_remote_code=trust_remote_code)
         _require_causal_lm(Path(model_dir), path)
         torch_dtype = resolve_dtype(dtype, device)
+        device_map = check_device_map(device_map)
         if not layers and lora is None:
             from .target_heads import load_heads
 
@@ -201,11 +205,13 @@ class Target:
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=torch.float32 if packed else torch_dtype, attn_implementation=engine.ENGINE_ATTENTION,
-                trust_remote_code=trust_remote_code, local_files_only=True)
+                trust_remote_code=trust_remote_code, local_files_only=True,
+                **({"device_map": device_map} if device_map else {}))
         except (ValueError, KeyError) as err:
             raise TargetError(f"target '{path}' ({model_dir}) does not load as a causal LM: {err}") from err
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code, local_files_only=True)
-        model = model.to(device)
+        if not device_map:
+            model = model.to(device)
         identity = None
         if lora is not None:
             identity = dataclasses.replace(base_identity(model, name), adapter_sha256=lora.sha256)
@@ -255,8 +261,9 @@ class Target:
         hidden: [..., d] -> [..., v]
         """
         # Flattened to 2D: a strided 3D input makes linear() expand the weight per row.
-        flat = hidden.reshape(-1, hidden.shape[-1]).to(self.lm_head.weight.dtype)
-        logits = self.lm_head(flat).view(*hidden.shape[:-1], -1)
+        weight = self.lm_head.weight                  # on another device than the input under a device_map
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(weight.device, weight.dtype)
+        logits = self.lm_head(flat).view(*hidden.shape[:-1], -1).to(hidden.device)
         scale = getattr(self.config, "logit_scale", None)
         if scale is not None:
             logits = logits * scale
@@ -282,8 +289,8 @@ class Target:
     # -- forwards --------------------------------------------------------------
     def _collect(self, out, layer_ids) -> dict[int, torch.Tensor]:
         hidden = {}
-        for i in layer_ids:
-            hidden[i] = out.last_hidden_state if i == self.num_layers else out.hidden_states[i]
+        for i in layer_ids:             # all on the target's (its embedding's) device, even under a device_map
+            hidden[i] = (out.last_hidden_state if i == self.num_layers else out.hidden_states[i]).to(self.device)
         return hidden
 
     @torch.no_grad()

@@ -91,3 +91,37 @@ def test_eval_refuses_a_missing_device_before_any_work(tmp_path, capsys, monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["eval", str(tmp_path), "--device", "cuda"]) == 2
     assert "is not on this machine" in capsys.readouterr().err
+
+
+def test_a_device_map_naming_a_missing_device_lists_the_devices_there_are(monkeypatch):
+    from draftsmith.heads.device import check_device_map
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match=r"puts 'model.layers.10' on 'cuda:3', which is not on this machine; "
+                                          r"the devices here are \['cpu'"):
+        check_device_map({"model.embed_tokens": "cpu", "model.layers.10": "cuda:3"})
+    with pytest.raises(DeviceError, match=r"puts 'lm_head' on '1'"):
+        check_device_map({"lm_head": 1})
+    with pytest.raises(RecipeError, match=r"target.device_map: device_map 'everywhere' is not one of \['auto'"):
+        recipe_from_dict({"method": "medusa", "target": {"device_map": "everywhere"}})
+    assert check_device_map({"model": "cpu", "lm_head": "disk"}) == {"model": "cpu", "lm_head": "disk"}
+
+
+def test_a_target_loaded_with_a_device_map_decodes_and_extracts_as_without(tiny_target_dir):
+    """transformers' big-model loading (device_map=auto puts everything on the CPU here): the same
+    greedy tokens and the same hidden states as the plain load."""
+    from draftsmith.eval.verifier import decode
+
+    plain = Target.load(str(tiny_target_dir), "float32", "cpu")
+    mapped = Target.load(str(tiny_target_dir), "float32", "cpu", device_map="auto")
+    assert mapped.identity == plain.identity
+    prompt = [1, 5, 9, 30, 12]
+    assert decode(mapped, prompt, 16).tokens == decode(plain, prompt, 16).tokens
+    ids = torch.tensor([prompt])
+    for layer, hidden in plain.features(ids, None, [1, plain.num_layers]).items():
+        assert torch.allclose(mapped.features(ids, None, [1, plain.num_layers])[layer], hidden, atol=1e-6)
+
+
+def test_eval_refuses_a_bad_device_map_before_any_work(tmp_path, capsys):
+    assert main(["eval", str(tmp_path), "--device-map", "everywhere"]) == 2
+    assert "eval.device_map: device_map 'everywhere' is not one of" in capsys.readouterr().err

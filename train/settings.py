@@ -38,6 +38,9 @@ class TargetSettings:
     """A peft LoRA adapter directory on the target (base + adapter is the target everywhere); null = none."""
     merge_adapter: bool = True
     """Merge the adapter into the weights (same outputs, the base's speed); false keeps peft's LoRA layers."""
+    device_map: str | dict | None = None
+    """A target bigger than one device: auto, balanced, balanced_low_0, sequential, or {module: device}
+    (transformers' big-model loading), for data, evaluation and feature extraction; null = target.device."""
 
     def __post_init__(self):
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -47,6 +50,11 @@ class TargetSettings:
             resolve_device(self.device)
         except DeviceError as err:
             raise RecipeError(f"target.device: {err}") from None
+        from draftsmith.heads.device import check_device_map
+        try:
+            self.device_map = check_device_map(self.device_map)
+        except DeviceError as err:
+            raise RecipeError(f"target.device_map: {err}") from None
         if self.adapter is not None:
             from draftsmith.heads.adapter import Adapter, AdapterError
             try:
@@ -62,7 +70,7 @@ class TargetSettings:
 
         return Target.load(self.path, self.dtype, resolve_device(self.device if device is None else device),
                            trust_remote_code=self.trust_remote_code, adapter=self.adapter,
-                           merge_adapter=self.merge_adapter, layers=layers)
+                           merge_adapter=self.merge_adapter, layers=layers, device_map=self.device_map)
 
 
 @dataclass
