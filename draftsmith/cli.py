@@ -39,6 +39,62 @@ def resolve_recipe(name: str) -> Path:
     raise SystemExit(f"error: recipe '{name}' not found: give a YAML file or one of {available}")
 
 
+def shipped_recipes() -> dict[str, Path]:
+    folder = resources.files("draftsmith.recipes")
+    return {p.name.removesuffix(".yaml"): Path(str(p)) for p in sorted(folder.iterdir(), key=lambda p: p.name)
+            if p.name.endswith(".yaml")}
+
+
+def recipe_summary(path: Path) -> tuple[str, str]:
+    """(the command its header gives, the first sentence of its description) from a recipe's comments."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    command = lines[0] if lines else ""
+    prose = " ".join(lines[lines.index(""):] if "" in lines else lines[1:]).strip()
+    sentence = prose.split(". ")[0].rstrip(".") + "." if prose else ""
+    return command, sentence
+
+
+def cmd_recipes(args) -> dict:
+    recipes = shipped_recipes()
+    for name, path in recipes.items():
+        command, sentence = recipe_summary(path)
+        print(f"{name}\n    {sentence}\n    {command}")
+    return {"recipes": list(recipes)}
+
+
+def cmd_show(args) -> dict:
+    """The recipe as a run would read it (overrides applied, defaults filled in), each field with its help."""
+    import yaml
+    from draftsmith.heads.config import field_help
+    from draftsmith.heads.drafter import registry
+    from draftsmith.train.settings import SECTIONS, Recipe, load_recipe
+
+    recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
+    resolved = recipe.to_dict()
+    helps = {"": field_help(Recipe), "drafter": field_help(registry()[recipe.method].config_class),
+             **{name: field_help(cls) for name, cls in SECTIONS.items()}}
+
+    def line(key, value, indent, section):
+        text = yaml.safe_dump({key: value}, default_flow_style=True, width=10 ** 6).strip()[1:-1]
+        note = helps[section].get(key, "")
+        return f"{' ' * indent}{text}" + (f"    # {note}" if note else "")
+
+    print(f"# {args.recipe}" + (f" with {' '.join(args.overrides)}" if args.overrides else "")
+          + ": what a run reads, every default filled in")
+    for key, value in resolved.items():
+        if isinstance(value, dict) and key in helps:
+            print(f"{key}:" + (f"    # {helps[''][key]}" if helps[""].get(key) else ""))
+            for sub_key, sub_value in value.items():
+                print(line(sub_key, sub_value, 2, key))
+        else:
+            print(line(key, value, 0, ""))
+    return resolved
+
+
 def cmd_data(args) -> dict:
     from draftsmith.heads.files import DirectoryLock, require_writable
     from draftsmith.train.batches import make_recipe_data
@@ -243,6 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("recipe", help="a recipe YAML or a shipped recipe name")
         p.add_argument("overrides", nargs="*", help="key=value or section.key=value")
 
+    sub.add_parser("recipes", help="list the recipes shipped with draftsmith")
+    p = sub.add_parser("show", help="print a recipe as a run reads it: overrides applied, defaults filled in, "
+                                    "each field with its help")
+    p.add_argument("recipe", help="a recipe YAML or a shipped recipe name")
+    p.add_argument("overrides", nargs="*", help="key=value or section.key=value")
+
     p = sub.add_parser("eval", help="acceptance, speedup and exactness of a trained drafter",
                        description="Flags and key=value overrides set the same eval settings (docs/metrics.md); "
                                    "every value is checked before anything loads.")
@@ -301,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 VERBS = {"data": cmd_data, "train": cmd_train, "eval": cmd_eval, "bench": cmd_bench, "quickstart": cmd_quickstart,
-         "export": cmd_export}
+         "export": cmd_export, "recipes": cmd_recipes, "show": cmd_show}
 
 
 def main(argv: list[str] | None = None) -> int:

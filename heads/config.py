@@ -110,3 +110,27 @@ def _name(annotation) -> str:
         return "null"
     return {str: "a string", int: "a whole number", float: "a number", bool: "true or false",
             dict: "a mapping"}.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def field_help(cls) -> dict[str, str]:
+    """Each dataclass field's help: the string written under it in the class body (its bases' too)."""
+    import ast
+    import dataclasses
+    import inspect
+    import textwrap
+
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        except (OSError, TypeError, IndexError):
+            continue
+        for node, following in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)):
+                docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+

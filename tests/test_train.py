@@ -196,3 +196,22 @@ def test_a_cache_with_more_layers_serves_a_drafter_that_needs_fewer(tiny_target_
     expected = target.features(torch.tensor([data.train["input_ids"][0]]), None, [2])[2]
     n = len(data.train["input_ids"][0])
     assert torch.allclose(batch[2][0, : n - 1].float(), expected[0, : n - 1], atol=0.03, rtol=0.02)
+
+
+def test_recipes_lists_the_shipped_ones_and_show_prints_what_a_run_reads(capsys, tmp_path):
+    from draftsmith.cli import main
+
+    assert main(["recipes"]) == 0
+    listed = capsys.readouterr().out
+    shipped = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+    assert [line for line in listed.splitlines() if not line.startswith(" ")] == shipped
+    assert "Medusa-1 heads (frozen backbone) for SmolLM2-135M-Instruct" in listed
+    assert main(["show", "medusa-smollm2-135m", "train.max_minutes=3", "drafter.num_heads=2"]) == 0
+    shown = capsys.readouterr().out
+    assert "  max_minutes: 3.0    # Stop after this many minutes" in shown
+    assert "  num_heads: 2    # " in shown and "  device_map: null    # A target bigger than one device" in shown
+    import yaml
+    body = yaml.safe_load(shown)           # the comments aside, it is the resolved recipe itself
+    assert body["train"]["max_minutes"] == 3.0 and body["method"] == "medusa" and body["drafter"]["num_heads"] == 2
+    assert main(["show", "medusa-smollm2-135m", "train.lr=abc"]) == 2
+    assert "'lr' must be a number" in capsys.readouterr().err

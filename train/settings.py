@@ -96,7 +96,7 @@ class TrainSettings:
     grad_clip: float = 1.0
     """Gradient norm clip (0 disables)."""
     mixed_precision: str = "auto"
-    """auto (bf16 where supported), bf16 or no."""
+    """auto (under accelerate launch the launcher's mixed_precision, else bf16 where supported), bf16 or no."""
     heldout_fraction: float = 0.05
     """Conversations held out for evaluation and tree calibration."""
     eval_every: int = 0
@@ -143,7 +143,7 @@ class TrainSettings:
 @dataclass
 class Recipe:
     method: str
-    """Drafter kind: medusa, eagle or eagle3."""
+    """Drafter kind: medusa, medusa2, eagle or eagle3."""
     output_dir: str = "runs/default"
     """Where the run writes data/, checkpoint/, logs and eval.json."""
     seed: int = 0
