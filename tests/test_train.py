@@ -215,3 +215,27 @@ def test_recipes_lists_the_shipped_ones_and_show_prints_what_a_run_reads(capsys,
     assert body["train"]["max_minutes"] == 3.0 and body["method"] == "medusa" and body["drafter"]["num_heads"] == 2
     assert main(["show", "medusa-smollm2-135m", "train.lr=abc"]) == 2
     assert "'lr' must be a number" in capsys.readouterr().err
+
+
+def test_the_python_api_of_the_readme_runs(tiny_target_dir, tmp_path):
+    """The README's Python API section, on a tiny model: load_recipe, make_recipe_data, fit, evaluate, export."""
+    from draftsmith.eval.benchmark import EvalOptions, evaluate
+    from draftsmith.heads.export import export
+    from draftsmith.train.batches import make_recipe_data
+    from draftsmith.train.settings import load_recipe
+
+    readme = (REPO / "README.md").read_text()
+    for call in ("load_recipe(", "make_recipe_data(recipe, recipe.target.load())", "report = fit(recipe)",
+                 "evaluate(report.checkpoint, EvalOptions(", "export(report.checkpoint, \"vllm\""):
+        assert call in readme, call
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(yaml.safe_dump(tiny_recipe(tmp_path, tiny_target_dir, epochs=1, eval_prompts=0)))
+    recipe = load_recipe(recipe_file, ["drafter.draft_vocab_size=null", "drafter.lm_head=shared"])
+    make_recipe_data(recipe, recipe.target.load(), progress=False)
+    report = fit(recipe, progress=False)
+    result = evaluate(report.checkpoint, EvalOptions(prompts=str(tmp_path / "chats.jsonl"), limit=2, max_new_tokens=8,
+                                                     exact_prompts=1, baselines=("plain",)), progress=False)
+    assert result.greedy_exact and result.tau >= 1.0
+    out = export(report.checkpoint, "vllm", tmp_path / "vllm")
+    assert (Path(out) / "model.safetensors").is_file()
+    assert load_recipe("medusa-smollm2-135m").method == "medusa"          # a shipped recipe, by name

@@ -227,9 +227,17 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """A recipe file, or the name of one shipped with draftsmith (`draftsmith recipes`), with key=value
+    overrides applied."""
     path = Path(path)
     if not path.is_file():
-        raise RecipeError(f"recipe '{path}' does not exist")
+        from importlib import resources
+
+        shipped = resources.files("draftsmith.recipes").joinpath(f"{path.name.removesuffix('.yaml')}.yaml")
+        if len(path.parts) != 1 or not shipped.is_file():
+            raise RecipeError(f"recipe '{path}' does not exist (neither a file nor a shipped recipe: "
+                              "see `draftsmith recipes`)")
+        path = Path(str(shipped))
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
