@@ -47,7 +47,16 @@ class DataSettings:
     """How training data is made (the recipe's `data:` section)."""
 
     source: str = "sharegpt"
-    """sharegpt, mt-bench, humaneval, a .jsonl/.json file, or a datasets directory."""
+    """sharegpt, mt-bench, humaneval, a .jsonl/.json/.parquet/.arrow/.csv file, a datasets directory, or a
+    dataset id already in the local Hugging Face cache (e.g. HuggingFaceH4/ultrachat_200k)."""
+    split: str = "train"
+    """The split of a `datasets` source (a file through load_dataset, or a cached dataset id)."""
+    messages_field: str | None = None
+    """The column holding each chat's turns (OpenAI or ShareGPT style); null: messages or conversations."""
+    prompt_field: str | None = None
+    """Instead: the column holding one user prompt per record (the target writes the reply)."""
+    streaming: bool = False
+    """Read a `datasets` source as a stream (large corpora: nothing is converted to Arrow first)."""
     backend: str = "transformers"
     """Who regenerates: transformers (draftsmith's batched engine; keeps the features) or vllm (optional extra)."""
     max_conversations: int | None = 2000
@@ -100,6 +109,9 @@ class DataSettings:
         if self.max_conversations is not None and self.max_conversations < 1:
             raise ValueError(f"data.max_conversations must be >= 1, or null for the whole source; "
                              f"got {self.max_conversations}")
+        if self.messages_field and self.prompt_field:
+            raise ValueError(f"data.messages_field ('{self.messages_field}') and data.prompt_field "
+                             f"('{self.prompt_field}') name two ways to read a chat: set one")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ValueError(f"data.max_minutes must be > 0, or null for no cap; got {self.max_minutes}")
 
@@ -122,10 +134,18 @@ class DataReport:
         return (self.generated_tokens + self.prefilled_tokens) / self.seconds if self.seconds else 0.0
 
 
+COLUMN_DEFAULTS = {"split": "train", "messages_field": None, "prompt_field": None, "streaming": False}
+
+
+def columns(settings: DataSettings) -> sources.Columns:
+    return sources.Columns(split=settings.split, messages_field=settings.messages_field,
+                           prompt_field=settings.prompt_field, streaming=settings.streaming)
+
+
 def fingerprint(settings: DataSettings, seed: int, target_identity: dict) -> str:
     """What the shards depend on: a resumed run, and training on them, must agree on all of it."""
     keys = asdict(settings)
-    free = ["max_minutes", "max_conversations", "regenerate"]           # these may change between resumes
+    free = ["max_minutes", "max_conversations", "regenerate", "streaming"]     # these may change between resumes
     if settings.mode == "regenerate":
         free.append("max_seq_len")       # cut when indexed, not in the shards (prefilled shards are cut)
     if settings.mode != "mix":
@@ -135,6 +155,9 @@ def fingerprint(settings: DataSettings, seed: int, target_identity: dict) -> str
                  "top_p"]
     for key in free:
         keys.pop(key)
+    for key, default in COLUMN_DEFAULTS.items():     # absent from data made before they existed: same fingerprint
+        if keys.get(key) == default:
+            keys.pop(key)
     keys["seed"] = seed
     keys["target"] = target_identity["weights_sha256"]
     if target_identity.get("adapter_sha256"):      # a LoRA adapter on the target (absent: the fingerprints of old data)
@@ -218,7 +241,7 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
     for stale in [*(out_dir / "shards").glob("*.tmp-*"), *(out_dir / "features").glob("*/*.tmp-*")]:
         stale.unlink()              # a write cut by a kill: its shard is made again below
     stats = sources.SourceStats()
-    convs = list(sources.conversations(settings.source, stats=stats))
+    convs = list(sources.conversations(settings.source, stats=stats, columns=columns(settings)))
     log.info("source %s: %s", settings.source, stats.summary())
     batches = plan_batches(convs, settings.batch_size, seed)
     if settings.max_conversations is not None:

@@ -270,11 +270,89 @@ def humaneval(limit: int | None = None, stats: SourceStats | None = None) -> Ite
 
 
 PROMPT_SETS = {"mt-bench": mt_bench, "humaneval": humaneval}
+DATASET_FILES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 
 
-def conversations(source: str, limit: int | None = None, stats: SourceStats | None = None) -> Iterator[Conversation]:
-    """Resolve a source name or path: sharegpt, mt-bench, humaneval, FILE.jsonl[.gz], FILE.json, or a dataset dir."""
+@dataclass
+class Columns:
+    """Where a `datasets` source keeps its chats (data.split, data.messages_field, data.prompt_field,
+    data.streaming)."""
+    split: str = "train"
+    messages_field: str | None = None     # a column of turns; None: 'messages' or 'conversations'
+    prompt_field: str | None = None       # a column holding one user prompt per record
+    streaming: bool = False
+
+
+def looks_like_hub_id(source: str) -> bool:
+    return source.count("/") == 1 and not source.startswith((".", "/", "~")) and not Path(source).exists()
+
+
+def from_datasets(source: str, columns: Columns, limit: int | None = None,
+                  stats: SourceStats | None = None) -> Iterator[Conversation]:
+    """Chats through `datasets.load_dataset`: a Parquet, Arrow, CSV or JSON(L) file, or a dataset id
+    that is already in the local cache (nothing is downloaded at run time)."""
+    import datasets
+
     stats = stats if stats is not None else SourceStats()
+    path = Path(source)
+    kind = DATASET_FILES.get(path.suffix) or ("json" if path.suffix in (".json", ".jsonl", ".gz") else None)
+    offline = datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    try:
+        if kind:
+            if not path.is_file():
+                raise DataError(f"data file '{source}' does not exist")
+            ds = datasets.load_dataset(kind, data_files=str(path), split=columns.split, streaming=columns.streaming)
+        else:
+            ds = datasets.load_dataset(source, split=columns.split, streaming=columns.streaming)
+    except DataError:
+        raise
+    except (FileNotFoundError, ConnectionError, ValueError) as err:
+        hint = ("it is not in the local Hugging Face cache, and draftsmith never downloads at run time: fetch it "
+                "once (datasets.load_dataset or huggingface-cli download), or give a local file"
+                if kind is None else "check the file and data.split")
+        raise DataError(f"data source '{source}' (split '{columns.split}') does not load: {hint} "
+                        f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})") from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = offline
+    names = list(ds.column_names or []) if getattr(ds, "column_names", None) is not None else None
+    for field_name in (columns.messages_field, columns.prompt_field):
+        if field_name and names is not None and field_name not in names:
+            raise DataError(f"data source '{source}' has no column '{field_name}' (it has {names}); set "
+                            "data.messages_field or data.prompt_field to one of them")
+    for i, record in enumerate(ds):
+        where = f"{source} record {i}"
+        if columns.prompt_field:
+            value = record.get(columns.prompt_field)
+            if not isinstance(value, str):
+                raise DataError(f"{where}: column '{columns.prompt_field}' must hold a string, got {_json_kind(value)}")
+            turns, conv_id, category = [{"role": "user", "content": value}], record.get("id"), ""
+        elif columns.messages_field:
+            turns = record.get(columns.messages_field)
+            if not isinstance(turns, list) or any(not isinstance(t, dict) for t in turns):
+                raise DataError(f"{where}: column '{columns.messages_field}' must hold a list of turns with a role "
+                                "and content")
+            conv_id, category = record.get("id"), str(record.get("category", "") or "")
+        else:
+            turns, conv_id, category = record_turns(record, where)
+        conv = normalize(turns, conv_id if conv_id is not None else f"{path.stem if kind else source}-{i}",
+                         stats, category)
+        if conv is not None:
+            yield conv
+            if limit is not None and stats.conversations >= limit:
+                return
+
+
+def conversations(source: str, limit: int | None = None, stats: SourceStats | None = None,
+                  columns: Columns | None = None) -> Iterator[Conversation]:
+    """Resolve a source name or path: sharegpt, mt-bench, humaneval, FILE.jsonl[.gz], FILE.json, a dataset
+    dir, a Parquet/Arrow/CSV file or a cached dataset id (through `datasets`).  `columns` (a split, a
+    column mapping, streaming) sends any file through `datasets` too."""
+    stats = stats if stats is not None else SourceStats()
+    if columns is not None and columns != Columns() and source not in ("sharegpt", *PROMPT_SETS):
+        return unique_ids(from_datasets(source, columns, limit, stats=stats), stats)
+    if Path(source).suffix in DATASET_FILES or looks_like_hub_id(source):
+        return unique_ids(from_datasets(source, columns or Columns(), limit, stats=stats), stats)
     if source == "sharegpt":
         return unique_ids(sharegpt(limit, stats=stats), stats)
     if source in PROMPT_SETS:
@@ -286,5 +364,6 @@ def conversations(source: str, limit: int | None = None, stats: SourceStats | No
         return unique_ids(sharegpt(limit, path=path, stats=stats), stats)
     if path.suffix in (".jsonl", ".gz"):
         return unique_ids(jsonl(path, limit, stats=stats), stats)
-    raise DataError(f"unknown data source '{source}': use sharegpt, mt-bench, humaneval, a .jsonl/.json file "
-                    "or a directory written by datasets' save_to_disk")
+    raise DataError(f"unknown data source '{source}': use sharegpt, mt-bench, humaneval, a .jsonl/.json/.parquet/"
+                    ".arrow/.csv file, a directory written by datasets' save_to_disk, or a dataset id in the local "
+                    "Hugging Face cache")

@@ -431,3 +431,34 @@ def test_at_the_time_cap_finished_conversations_are_kept_and_a_rerun_makes_the_r
     cache = feature_cache.cache_dir(tmp_path / "capped", layers)
     assert sorted(p.stem for p in cache.glob("shard-*.safetensors")) == [s.stem for s in
                                                                           shard_paths(tmp_path / "capped")]
+
+
+def test_any_dataset_through_load_dataset_parquet_with_a_column_mapping(tiny_target, tmp_path):
+    """A Parquet file written here: its turns column named by data.messages_field, or its prompt column
+    by data.prompt_field, streamed or not; a missing column and an uncached dataset id are named."""
+    import datasets
+    from draftsmith.data import sources
+
+    rows = {"chat": [[{"role": "user", "content": f"question {i} about the day"},
+                      {"role": "assistant", "content": f"answer {i} is the night"}] for i in range(6)],
+            "question": [f"question {i} about water" for i in range(6)], "id": [f"p{i}" for i in range(6)]}
+    parquet = tmp_path / "chats.parquet"
+    datasets.Dataset.from_dict(rows).to_parquet(str(parquet))
+    for streaming in (False, True):
+        convs = list(sources.conversations(str(parquet), columns=sources.Columns(messages_field="chat",
+                                                                                  streaming=streaming)))
+        assert [c.id for c in convs] == rows["id"] and convs[2].messages == rows["chat"][2]
+    prompts = list(sources.conversations(str(parquet), columns=sources.Columns(prompt_field="question")))
+    assert [c.messages for c in prompts][4] == [{"role": "user", "content": "question 4 about water"}]
+    with pytest.raises(sources.DataError, match=r"has no column 'turns' \(it has \['chat', 'question', 'id'\]\)"):
+        list(sources.conversations(str(parquet), columns=sources.Columns(messages_field="turns")))
+    with pytest.raises(sources.DataError, match=r"'nobody/no-such-dataset' .* not in the local Hugging Face cache"):
+        list(sources.conversations("nobody/no-such-dataset"))
+    settings = DataSettings(source=str(parquet), messages_field="chat", mode="prefill", max_conversations=None,
+                            batch_size=4)
+    report = make_data(tiny_target, settings, tmp_path / "data", seed=0, progress=False)
+    assert report.conversations == 6
+    table = datasets.load_from_disk(str(tmp_path / "data" / "tokenized"))
+    assert sorted(table["id"]) == rows["id"] and all(sum(m) > 0 for m in table["loss_mask"])
+    with pytest.raises(ValueError, match="name two ways to read a chat"):
+        DataSettings(messages_field="chat", prompt_field="question")
