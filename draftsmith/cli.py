@@ -164,7 +164,33 @@ def cmd_eval(args) -> dict:
     if args.json:
         write_json(report, args.json)
         print(f"wrote {args.json}")
+    from draftsmith.heads.card import record_eval
+    if settings.target is None and settings.adapter is None:     # the checkpoint's own target: its card says so
+        try:
+            record_eval(args.checkpoint, report)
+        except OSError as err:
+            logging.getLogger("draftsmith").warning("the checkpoint's model card was not updated (%s)", err)
     return report.to_dict()
+
+
+def cmd_push(args) -> dict:
+    """Upload a checkpoint (its card, weights, config and recipe; never the resume state) to the Hub."""
+    import tempfile
+
+    from draftsmith.heads.card import push_folder
+
+    formats = tuple(f for f in (args.export or "").split(",") if f)
+    with tempfile.TemporaryDirectory(prefix="draftsmith-push-") as tmp:
+        folder = push_folder(Path(args.checkpoint), Path(tmp) / "folder", formats)
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        api.create_repo(args.repo_id, private=args.private, exist_ok=True)
+        info = api.upload_folder(folder_path=str(folder), repo_id=args.repo_id,
+                                 commit_message=f"draftsmith push of {Path(args.checkpoint).name}")
+        files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    print(f"pushed {len(files)} files to https://huggingface.co/{args.repo_id}")
+    return {"repo_id": args.repo_id, "files": files, "commit": str(getattr(info, "oid", info))}
 
 
 def cmd_quickstart(args) -> dict:
@@ -207,6 +233,8 @@ def _quickstart(recipe, start: float) -> dict:
     options = dataclasses.replace(recipe.eval, target=recipe.eval.target or recipe.target.path, device=str(device))
     report = evaluate(trained.checkpoint, options)
     write_json(report, recipe.out / "eval.json")
+    from draftsmith.heads.card import record_eval
+    record_eval(trained.checkpoint, report)             # the checkpoint's model card carries it too
     print()
     print(markdown(report))
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
@@ -300,6 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="key=value or section.key=value")
 
     sub.add_parser("recipes", help="list the recipes shipped with draftsmith")
+    p = sub.add_parser("push", help="upload a checkpoint with its model card to the Hugging Face Hub")
+    p.add_argument("checkpoint")
+    p.add_argument("repo_id", help="owner/name on the Hub (created if missing)")
+    p.add_argument("--export", default=None, help="also upload exports, e.g. vllm or vllm,sglang (in export-FORMAT/)")
+    p.add_argument("--private", action="store_true", help="create the repository private")
     p = sub.add_parser("show", help="print a recipe as a run reads it: overrides applied, defaults filled in, "
                                     "each field with its help")
     p.add_argument("recipe", help="a recipe YAML or a shipped recipe name")
@@ -363,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 VERBS = {"data": cmd_data, "train": cmd_train, "eval": cmd_eval, "bench": cmd_bench, "quickstart": cmd_quickstart,
-         "export": cmd_export, "recipes": cmd_recipes, "show": cmd_show}
+         "export": cmd_export, "recipes": cmd_recipes, "show": cmd_show, "push": cmd_push}
 
 
 def main(argv: list[str] | None = None) -> int:

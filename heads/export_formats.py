@@ -72,8 +72,7 @@ def medusa_vllm(config, weights, target, dtype, checkpoint):
            "vocab_size": vocab, "num_heads": heads, "num_hidden_layers": layers, "medusa_fc_bias": True,
            "truncated_vocab_size": int(draft.numel()), "original_lm_head": shared,
            "torch_dtype": str(dtype).replace("torch.", "")}
-    command = f"""vllm serve TARGET_DIR --speculative-config '{{"method": "medusa", "model": "THIS_DIR", "num_speculative_tokens": {heads}}}'"""
-    readme = _readme(config, checkpoint, "Medusa heads for vLLM", command,
+    readme = _readme(config, checkpoint, "Medusa heads for vLLM", serving_command(config, "vllm"),
                      "vLLM's Medusa drafts a chain of the heads' top-1 tokens (no tree).")
     return {"model.safetensors": _cast(out, dtype)}, {"config.json": cfg, "README.md": readme}
 
@@ -98,10 +97,8 @@ def medusa_original(config, weights, target, dtype, checkpoint):
         out[f"{h}.{layers}.weight"] = head if head is not None else target.lm_head.weight.detach().float().cpu()
     cfg = {"medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": info["name"],
            "hidden_size": info["hidden_size"], "vocab_size": vocab}
-    command = f"""# TGI
-text-generation-launcher --model-id THIS_DIR   # with base_model_name_or_path pointing at the target
-# TensorRT-LLM: convert_checkpoint.py --model_dir TARGET_DIR --medusa_model_dir THIS_DIR --num_medusa_heads {heads}"""
-    readme = _readme(config, checkpoint, "Medusa heads (FasterDecoding layout)", command)
+    readme = _readme(config, checkpoint, "Medusa heads (FasterDecoding layout)",
+                     serving_command(config, "medusa-original"))
     return {"medusa_lm_head.safetensors": _cast(out, dtype)}, {"config.json": cfg, "README.md": readme}
 
 
@@ -152,8 +149,7 @@ def eagle3_vllm(config, weights, target, dtype, checkpoint):
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(config, dtype),
            "eagle_aux_hidden_state_layer_ids": ids,
            "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids}}
-    depth = config["drafter"]["tree"]["depth"]
-    command = f"""vllm serve TARGET_DIR --speculative-config '{{"method": "eagle3", "model": "THIS_DIR", "num_speculative_tokens": {depth}}}'"""
+    command = serving_command(config, "vllm")
     notes = (f"Fused target layers {ids} (vLLM's convention: hidden_states[i], the input of decoder layer i, "
              "the same as draftsmith's). The embedding is taken from the target.")
     return ({"model.safetensors": _eagle3_tensors(config, weights, dtype)},
@@ -196,7 +192,7 @@ def eagle3_speculators(config, weights, target, dtype, checkpoint):
            "transformer_layer_config": layer, "draft_vocab_size": layer["draft_vocab_size"],
            "target_hidden_size": layer["target_hidden_size"], "norm_before_residual": False,
            "norm_before_fc": False, "eagle_aux_hidden_state_layer_ids": ids, "torch_dtype": layer["torch_dtype"]}
-    command = "vllm serve THIS_DIR   # vLLM reads the verifier and the speculative settings from this config"
+    command = serving_command(config, "speculators")
     notes = ("`norm_before_residual: false` is written explicitly: vLLM assumes true for speculators configs that "
              "omit it, which would silently change the drafter.")
     return ({"model.safetensors": _eagle3_tensors(config, weights, dtype, prefix="layers.0.")},
@@ -208,10 +204,7 @@ def eagle3_sglang(config, weights, target, dtype, checkpoint):
     ids = _output_convention(config["target_layer_ids"][:3], "SGLang")
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(config, dtype),
            "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids}}
-    tree = config["drafter"]["tree"]
-    command = f"""python -m sglang.launch_server --model-path TARGET_DIR --speculative-algorithm EAGLE3 \\
-    --speculative-draft-model-path THIS_DIR --speculative-num-steps {tree['depth']} \\
-    --speculative-eagle-topk {tree['top_k']} --speculative-num-draft-tokens {tree['total_tokens']}"""
+    command = serving_command(config, "sglang")
     notes = (f"Fused layers written as {ids}: SGLang names a fused layer by the decoder layer whose output it "
              f"takes (draftsmith's hidden_states ids {config['target_layer_ids'][:3]} minus one). SGLang skips "
              "unknown weight names silently; the names here are the ones it loads.")
@@ -224,19 +217,44 @@ def eagle3_trtllm(config, weights, target, dtype, checkpoint):
     ids = _output_convention(config["target_layer_ids"][:3], "TensorRT-LLM")
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(config, dtype),
            "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids}}
-    depth = config["drafter"]["tree"]["depth"]
-    command = f"""trtllm-serve TARGET_DIR --extra_llm_api_options spec.yaml
-# spec.yaml:
-# speculative_config:
-#   decoding_type: Eagle3
-#   speculative_model_dir: THIS_DIR
-#   max_draft_len: {depth}
-#   eagle3_layers_to_capture: {sorted(ids)}"""
+    command = serving_command(config, "trtllm")
     notes = (f"TensorRT-LLM's eagle3_layers_to_capture names decoder layers by their output: {ids} here "
              f"(draftsmith's hidden_states ids {config['target_layer_ids'][:3]} minus one); pass them explicitly.")
     return ({"model.safetensors": _eagle3_tensors(config, weights, dtype)},
             {"config.json": cfg, "README.md": _readme(config, checkpoint, "EAGLE-3 drafter for TensorRT-LLM",
                                                        command, notes)})
+
+
+def serving_command(config: dict, fmt: str) -> str:
+    """The command that serves a checkpoint's export in `fmt` (THIS_DIR: the export, TARGET_DIR: the target)."""
+    kind, drafter = config["kind"], config["drafter"]
+    if kind == "medusa" and fmt == "vllm":
+        return (f"""vllm serve TARGET_DIR --speculative-config '{{"method": "medusa", "model": "THIS_DIR", """
+                f""""num_speculative_tokens": {drafter['num_heads']}}}'""")
+    if kind == "medusa" and fmt == "medusa-original":
+        return f"""# TGI
+text-generation-launcher --model-id THIS_DIR   # with base_model_name_or_path pointing at the target
+# TensorRT-LLM: convert_checkpoint.py --model_dir TARGET_DIR --medusa_model_dir THIS_DIR --num_medusa_heads {drafter['num_heads']}"""
+    tree = drafter["tree"]
+    if fmt == "vllm":
+        return (f"""vllm serve TARGET_DIR --speculative-config '{{"method": "eagle3", "model": "THIS_DIR", """
+                f""""num_speculative_tokens": {tree['depth']}}}'""")
+    if fmt == "speculators":
+        return "vllm serve THIS_DIR   # vLLM reads the verifier and the speculative settings from this config"
+    if fmt == "sglang":
+        return f"""python -m sglang.launch_server --model-path TARGET_DIR --speculative-algorithm EAGLE3 \\
+    --speculative-draft-model-path THIS_DIR --speculative-num-steps {tree['depth']} \\
+    --speculative-eagle-topk {tree['top_k']} --speculative-num-draft-tokens {tree['total_tokens']}"""
+    if fmt == "trtllm":
+        ids = _output_convention(config["target_layer_ids"][:3], "TensorRT-LLM")
+        return f"""trtllm-serve TARGET_DIR --extra_llm_api_options spec.yaml
+# spec.yaml:
+# speculative_config:
+#   decoding_type: Eagle3
+#   speculative_model_dir: THIS_DIR
+#   max_draft_len: {tree['depth']}
+#   eagle3_layers_to_capture: {sorted(ids)}"""
+    raise ExportError(f"no serving command for a {kind} drafter in format '{fmt}'")
 
 
 WRITERS = {

@@ -73,6 +73,8 @@ def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimiz
             torch.save(optimizer_state, tmp / "state" / FSDP_OPTIMIZER)
         (tmp / "state" / "scheduler.json").write_text(json.dumps(_scheduler_state(scheduler)))  # the directory
         (tmp / "state" / "progress.json").write_text(json.dumps({**progress, "sharding": sharding}))  # is swapped in whole
+        from draftsmith.heads.card import write_card
+        write_card(tmp)
     accelerator.wait_for_everyone()
     torch.save({"torch": rank_state["torch"], "python": _python_state(rank_state["python"])},
                tmp / "state" / f"rng-{accelerator.process_index}.pt")

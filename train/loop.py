@@ -267,8 +267,11 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
     history.append(final)
     weights = accelerator.get_state_dict(model)             # gathered under FSDP / ZeRO-3
     if accelerator.is_main_process:
+        from draftsmith.heads.card import write_card
+
         save_drafter(drafter, checkpoint_dir, state=weights,
                      extra={"heldout": {k: v for k, v in final.items() if k.startswith(("heldout", "eval"))}})
+        write_card(checkpoint_dir)          # the model card, with the held-out figures just measured
     # state["tokens"] counts this process's share (it is what resume restores); the report gives all processes'
     tokens = int(accelerator.reduce(torch.tensor(float(state["tokens"]), device=accelerator.device), reduction="sum").item())
     return TrainReport(steps=state["step"], seconds=state["seconds"], tokens=tokens, stopped_by=stopped_by,

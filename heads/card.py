@@ -1,0 +1,193 @@
+"""Hub conventions for a checkpoint: its model card, the folder `draftsmith push` uploads, and
+`Drafter.from_pretrained` for a directory or a Hub repository.
+
+The card (`README.md` in the checkpoint) is written with the checkpoint and again after each
+`draftsmith eval`, from what the directory itself holds: config.json (target identity, drafter,
+layer ids, held-out figures), recipe.yaml (data and budget), state/progress.json (steps done) and
+last_eval.json (the last evaluation and its conditions).  Nothing in it is typed by hand.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+
+from .drafter import CONFIG_FILE, WEIGHTS_FILE, read_config
+from .files import write_atomic
+
+CARD_FILE = "README.md"
+LAST_EVAL_FILE = "last_eval.json"
+HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}      # embedded targets: where they come from
+KINDS = {"medusa": "Medusa heads", "medusa2": "Medusa-2 heads", "eagle": "EAGLE-1 feature drafter",
+         "eagle3": "EAGLE-3 drafter"}
+# what a pushed folder holds: the checkpoint without its resume state (optimizer, RNG)
+PUSHED = (CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, "recipe.yaml", LAST_EVAL_FILE, "adapter", "medusa2.json")
+
+
+def base_model(config: dict) -> str:
+    source = str(config.get("target_source") or config["target"]["name"])
+    if source in HUB_IDS:
+        return HUB_IDS[source]
+    looks_like_hub_id = source.count("/") == 1 and not source.startswith((".", "/", "~"))
+    return source if looks_like_hub_id else config["target"]["name"]
+
+
+def _table(rows: list[tuple[str, object]]) -> str:
+    return "\n".join(["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]])
+
+
+def _rates(values) -> str:
+    return " ".join(f"{float(v):.3f}" for v in values) if values else "-"
+
+
+def model_card(directory: Path) -> str:
+    from draftsmith import __version__
+
+    from .export import SUPPORTED
+    from .export_formats import serving_command
+
+    directory = Path(directory)
+    config = read_config(directory)
+    target, kind = config["target"], config["kind"]
+    kind_name = KINDS.get("medusa2" if "medusa2" in config else kind, kind)
+    recipe = yaml.safe_load((directory / "recipe.yaml").read_text()) if (directory / "recipe.yaml").is_file() else {}
+    progress_file = directory / "state" / "progress.json"
+    progress = json.loads(progress_file.read_text()) if progress_file.is_file() else {}
+    last_eval = json.loads((directory / LAST_EVAL_FILE).read_text()) if (directory / LAST_EVAL_FILE).is_file() else None
+    heldout = config.get("heldout", {})
+    front = {"base_model": base_model(config), "library_name": "draftsmith",
+             "tags": ["speculative-decoding", "draft-model", "draftsmith", kind]}
+    lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
+             f"# {kind_name} for {base_model(config)}", "",
+             f"{kind_name} trained with draftsmith "
+             f"{config.get('draftsmith_version', __version__)} for the target `{config.get('target_source') or target['name']}`"
+             + (" with the LoRA adapter in `adapter/` (merged: base + adapter is the target)"
+                if config.get("target_adapter") else "") + ". Speculative decoding with it is lossless: greedy output "
+             "equals the target's own, token for token.", "",
+             "## Target", "",
+             "It loads only against this target: draftsmith compares these hashes and refuses any other.", "",
+             _table([("model type", target.get("model_type")), ("layers", target.get("num_layers")),
+                     ("hidden size", target.get("hidden_size")), ("vocabulary", target.get("vocab_size")),
+                     ("weights_sha256 (embedding, lm_head)", f"`{target.get('weights_sha256')}`"),
+                     ("layers_sha256 (every parameter, sampled)", f"`{target.get('layers_sha256', '')}`"),
+                     ("adapter_sha256", f"`{target.get('adapter_sha256') or 'none'}`")]), "",
+             "## Drafter", "",
+             _table([("kind", kind), ("target layer ids (hidden_states index: 0 = embeddings, "
+                                      f"{target.get('num_layers')} = final normed output)",
+                      config.get("target_layer_ids")),
+                     *[(k, v) for k, v in config["drafter"].items() if not isinstance(v, dict)]]), ""]
+    data, train = recipe.get("data", {}), recipe.get("train", {})
+    if recipe:
+        lines += ["## Data and training", "",
+                  _table([("data source", data.get("source")), ("data mode", data.get("mode", "regenerate")),
+                          ("conversations (cap)", data.get("max_conversations")),
+                          ("data minutes (cap)", data.get("max_minutes")),
+                          ("training minutes (cap)", train.get("max_minutes")), ("epochs (cap)", train.get("epochs")),
+                          ("batch size x accumulation", f"{train.get('batch_size')} x {train.get('grad_accum', 1)}"),
+                          ("learning rate", train.get("lr")), ("steps done", progress.get("step", "-")),
+                          ("training tokens seen", progress.get("tokens", "-")),
+                          ("seed", recipe.get("seed"))]), ""]
+    lines += ["## Measured", ""]
+    if heldout:
+        lines += [f"- Held-out conversations at the end of training: top-1 agreement per draft position "
+                  f"{_rates(heldout.get('heldout/agreement'))}, simulated tau {heldout.get('heldout/simulated_tau', 0):.2f}"
+                  + (f"; decoding {heldout.get('eval/tau', 0):.2f} tau on held-out prompts" if "eval/tau" in heldout
+                     else "") + "."]
+    if last_eval:
+        lines += [f"- Last `draftsmith eval` ({last_eval['date']}): tau {last_eval['tau']:.2f}, per-position "
+                  f"acceptance {_rates(last_eval['per_position_acceptance'])}, {last_eval['speedup_vs_plain']:.2f}x "
+                  f"over plain decoding, greedy output {'exact' if last_eval['greedy_exact'] else 'NOT exact'} "
+                  f"({last_eval['exact_checked_prompts']} prompts checked in fp32). Conditions: "
+                  f"{last_eval['prompts']} prompts of {last_eval['prompts_source']}, {last_eval['max_new_tokens']} new "
+                  f"tokens, temperature {last_eval['temperature']}, {last_eval['proposal']} proposal, "
+                  f"{last_eval['dtype']} on {last_eval['device']}. Speed depends on the machine: measure on yours."]
+    if not heldout and not last_eval:
+        lines += ["- Nothing measured yet: run `draftsmith eval` on this checkpoint."]
+    lines += ["", "## Serve it", ""]
+    for fmt in SUPPORTED.get(kind, ()):
+        try:
+            command = serving_command(config, fmt)
+        except ValueError as err:
+            command = f"# not exportable to {fmt}: {err}"
+        lines += [f"`{fmt}`:", "", "```bash", f"draftsmith export THIS_DIR --to {fmt} OUT_DIR",
+                  command.replace("THIS_DIR", "OUT_DIR"), "```", ""]
+    lines += ["## Load it", "", "```python", "from draftsmith.heads.drafter import Drafter",
+              f'drafter = Drafter.from_pretrained("THIS_DIR_OR_REPO")     # loads the target named above, checks it',
+              "```", ""]
+    return "\n".join(lines)
+
+
+def write_card(directory: Path) -> Path:
+    path = Path(directory) / CARD_FILE
+    write_atomic(path, model_card(directory))
+    return path
+
+
+def record_eval(directory: Path, report) -> None:
+    """The last evaluation, beside the checkpoint (and in its card)."""
+    import time
+
+    keep = ("tau", "per_position_acceptance", "speedup_vs_plain", "greedy_exact", "exact_checked_prompts", "prompts",
+            "prompts_source", "max_new_tokens", "temperature", "proposal", "dtype", "device")
+    summary = {k: getattr(report, k) for k in keep} | {"date": time.strftime("%Y-%m-%d")}
+    write_atomic(Path(directory) / LAST_EVAL_FILE, json.dumps(summary, indent=1))
+    write_card(directory)
+
+
+def push_folder(checkpoint: Path, staging: Path, export_formats: tuple[str, ...] = (), dtype: str = "bfloat16") -> Path:
+    """The folder `draftsmith push` uploads: the checkpoint without its resume state, its card, and an
+    export per format in `export-FORMAT/`."""
+    from .export import export
+
+    checkpoint, staging = Path(checkpoint), Path(staging)
+    read_config(checkpoint)                       # a damaged checkpoint is named before anything is copied
+    write_card(checkpoint)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in PUSHED:
+        source = checkpoint / name
+        if source.is_dir():
+            shutil.copytree(source, staging / name)
+        elif source.is_file():
+            shutil.copy2(source, staging / name)
+    for fmt in export_formats:
+        export(checkpoint, fmt, staging / f"export-{fmt}", dtype=dtype)
+    return staging
+
+
+class Drafter:
+    """Loading a drafter the way Hub users expect."""
+
+    @staticmethod
+    def from_pretrained(path_or_repo: str | Path, target=None, dtype: str = "auto", device: str = "auto",
+                        revision: str | None = None):
+        """A drafter from a checkpoint directory or a Hub repository holding one (`draftsmith push`), on
+        its target: `target` if given (checked against the checkpoint's identity), else the one the
+        checkpoint names."""
+        from .device import resolve_device
+        from .drafter import checkpoint_target, load_drafter
+
+        directory = Path(path_or_repo).expanduser()
+        if not directory.is_dir():
+            directory = _snapshot(str(path_or_repo), revision)
+        config = read_config(directory)
+        if target is None:
+            target = checkpoint_target(config, dtype, resolve_device(device))
+        return load_drafter(directory, target)
+
+
+def _snapshot(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    looks_like_hub_id = repo_id.count("/") == 1 and not repo_id.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise FileNotFoundError(f"'{repo_id}' is neither a checkpoint directory nor a Hub repository id (owner/name)")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision,
+                                      allow_patterns=[*PUSHED[:5], "adapter/*", "medusa2.json"]))
+    except Exception as err:  # noqa: BLE001 - offline, missing, private: one message with the cause
+        raise FileNotFoundError(f"drafter '{repo_id}' could not be fetched from the Hugging Face Hub "
+                                f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}); "
+                                "give a local checkpoint directory, or check the id, the network and HF_TOKEN") from None
