@@ -173,6 +173,32 @@ def cmd_eval(args) -> dict:
     return report.to_dict()
 
 
+def cmd_import(args) -> dict:
+    """A drafter written for a serving stack, read back as a draftsmith checkpoint (warm starts)."""
+    import json
+
+    from draftsmith.heads.device import resolve_device
+    from draftsmith.heads.files import require_writable
+    from draftsmith.heads.importer import import_checkpoint
+    from draftsmith.heads.target import Target
+
+    source = Path(args.source)
+    config_file = source / "config.json"
+    if not config_file.is_file():
+        raise SystemExit(f"error: '{source}' is not an export: no config.json")
+    named = json.loads(config_file.read_text())
+    target_path = args.target or (named.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
+                                  or named.get("base_model_name_or_path"))
+    if not target_path:
+        raise SystemExit(f"error: '{source}' does not name its target: give it with --target PATH")
+    require_writable(Path(args.out_dir), "the output directory")
+    target = Target.load(target_path, "float32", resolve_device(args.device), layers=False)
+    out = import_checkpoint(source, args.fmt, args.out_dir, target)
+    print(f"imported {args.fmt} export {source} as a draftsmith checkpoint in {out} (target {target.name}); "
+          f"fine-tune from it with drafter.init_from={out}")
+    return {"checkpoint": str(out)}
+
+
 def cmd_push(args) -> dict:
     """Upload a checkpoint (its card, weights, config and recipe; never the resume state) to the Hub."""
     import tempfile
@@ -328,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="key=value or section.key=value")
 
     sub.add_parser("recipes", help="list the recipes shipped with draftsmith")
+    p = sub.add_parser("import", help="read a drafter exported for a serving stack back into a draftsmith checkpoint")
+    p.add_argument("source", help="the export's directory")
+    p.add_argument("--from", dest="fmt", required=True,
+                   choices=["vllm", "speculators", "sglang", "trtllm", "medusa-original"])
+    p.add_argument("out_dir")
+    p.add_argument("--target", default=None, help="the target it drafts for (default: the one the export names)")
+    p.add_argument("--device", default="auto")
     p = sub.add_parser("push", help="upload a checkpoint with its model card to the Hugging Face Hub")
     p.add_argument("checkpoint")
     p.add_argument("repo_id", help="owner/name on the Hub (created if missing)")
@@ -396,7 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 VERBS = {"data": cmd_data, "train": cmd_train, "eval": cmd_eval, "bench": cmd_bench, "quickstart": cmd_quickstart,
-         "export": cmd_export, "recipes": cmd_recipes, "show": cmd_show, "push": cmd_push}
+         "export": cmd_export, "recipes": cmd_recipes, "show": cmd_show, "push": cmd_push,
+         "import": cmd_import}
 
 
 def main(argv: list[str] | None = None) -> int:

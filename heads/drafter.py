@@ -199,3 +199,27 @@ def load_drafter(directory: Path, target: Target):
                           f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     drafter.metadata = config
     return drafter.to(target.device).eval()
+
+
+def warm_start(drafter, directory: str | Path) -> None:
+    """Load a checkpoint's weights into a freshly built drafter (drafter.init_from): the same kind, the
+    same target, the same shapes, or an error naming what differs."""
+    directory = Path(directory)
+    config = read_config(directory)
+    kind = getattr(drafter, "checkpoint_kind", drafter.kind)
+    if config["kind"] != kind:
+        raise CheckpointError(f"drafter.init_from '{directory}' holds a {config['kind']} drafter; this recipe trains "
+                              f"a {drafter.kind}")
+    identity = TargetIdentity.from_dict(config["target"])
+    identity.require_same(dataclasses.replace(drafter.target_identity, adapter_sha256=identity.adapter_sha256),
+                          f"drafter.init_from '{directory}'")
+    state, own = read_weights(directory, config), drafter.state_dict()
+    differ = [f"{k}: {tuple(state[k].shape)} there, {tuple(own[k].shape)} here" for k in own
+              if k in state and state[k].shape != own[k].shape]
+    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if differ or missing or extra:
+        raise CheckpointError(f"drafter.init_from '{directory}' does not fit this recipe's drafter ("
+                              + "; ".join(differ[:4] + [f"missing {missing[:4]}"] * bool(missing)
+                                          + [f"not in this drafter {extra[:4]}"] * bool(extra))
+                              + "): give the drafter section the checkpoint's settings (draftsmith show)")
+    drafter.load_state_dict({k: state[k] for k in own}, strict=False)

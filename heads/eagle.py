@@ -38,6 +38,9 @@ class EagleConfig:
     """Score only this many most frequent reply tokens (rows of the target's lm_head); null = all."""
     tree: dict = field(default_factory=lambda: {"depth": 5, "top_k": 8, "total_tokens": 32})
     """Default dynamic tree (EAGLE-2) for decoding: depth, top_k, total_tokens."""
+    init_from: str | None = None
+    """Warm start: a draftsmith checkpoint of this kind for this target (e.g. one `draftsmith import`
+    made from a published drafter) whose weights training starts from; null = a fresh drafter."""
 
     def __post_init__(self):
         if self.noise < 0 or self.feature_weight < 0 or self.token_weight < 0:

@@ -56,6 +56,9 @@ class Eagle3Config:
     """Start the draft layer's attention and MLP from the target's last decoder layer (where shapes allow)."""
     tree: dict = field(default_factory=lambda: {"depth": 5, "top_k": 8, "total_tokens": 32})
     """Default dynamic tree (EAGLE-2) for decoding: depth, top_k, total_tokens."""
+    init_from: str | None = None
+    """Warm start: a draftsmith checkpoint of this kind for this target (e.g. one `draftsmith import`
+    made from a published drafter) whose weights training starts from; null = a fresh drafter."""
 
     def __post_init__(self):
         if self.ttt_steps < 1:

@@ -52,6 +52,9 @@ class MedusaConfig:
     dependent heads do (arXiv 2402.05109); the tree is then drafted one level at a time.  Each token
     enters through a d x d projection per offset that starts at zero, so training starts from plain
     Medusa.  vLLM's and FasterDecoding's Medusa formats hold neither: such heads do not export there."""
+    init_from: str | None = None
+    """Warm start: a draftsmith checkpoint of this kind for this target (e.g. one `draftsmith import`
+    made from a published drafter) whose weights training starts from; null = a fresh drafter."""
 
     def __post_init__(self):
         if self.num_heads < 1 or self.num_layers < 1:

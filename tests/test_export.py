@@ -130,3 +130,82 @@ def test_damaged_checkpoint_and_wrong_target_are_refused(tiny_target, tmp_path):
     other = build_tiny_target(tmp_path / "other", seed=11)
     with pytest.raises(TargetError, match="weights_sha256"):
         export(tmp_path / "good", "vllm", tmp_path / "out", target_path=str(other))
+
+
+ROUND_TRIPS = [("medusa", "vllm", {"num_heads": 3, "draft_vocab_size": 32}),
+               ("medusa", "vllm", {"num_heads": 2, "lm_head": "own"}),
+               ("medusa", "medusa-original", {"num_heads": 2, "lm_head": "own"}),
+               ("eagle3", "vllm", None), ("eagle3", "speculators", None), ("eagle3", "sglang", None),
+               ("eagle3", "trtllm", None)]
+
+
+@pytest.mark.parametrize("kind,fmt,settings", ROUND_TRIPS,
+                         ids=[f"{k}-{f}-{i}" for i, (k, f, _) in enumerate(ROUND_TRIPS)])
+def test_export_then_import_gives_the_same_weights_and_the_same_decoding(tiny_target, tiny_target_dir, tmp_path,
+                                                                          kind, fmt, settings, capsys):
+    """`draftsmith import` inverts every export: identical weights, and identical accepted tokens (so tau)
+    on the same prompts."""
+    from draftsmith.cli import main
+    from draftsmith.heads.drafter import load_drafter
+
+    if kind == "medusa":
+        original = medusa_checkpoint(tiny_target, tmp_path / "ckpt", **settings)
+    else:
+        original = eagle3_checkpoint(tiny_target, tmp_path / "ckpt")
+    export(tmp_path / "ckpt", fmt, tmp_path / "export", dtype="float32")
+    assert main(["import", str(tmp_path / "export"), "--from", fmt, str(tmp_path / "back"),
+                 "--target", str(tiny_target_dir)]) == 0
+    assert "drafter.init_from=" in capsys.readouterr().out
+    back = load_drafter(tmp_path / "back", tiny_target)
+    mine, theirs = original.state_dict(), back.state_dict()
+    assert mine.keys() == theirs.keys()
+    for key in mine:
+        assert torch.equal(mine[key].float(), theirs[key].float()), key
+    for prompt in prompts(tiny_target, count=2, length=6):
+        assert decode(tiny_target, prompt, 24, drafter=original).accepted == \
+            decode(tiny_target, prompt, 24, drafter=back).accepted
+
+
+def test_import_refuses_maps_that_disagree_and_another_target(tiny_target, tiny_target_dir, tmp_path):
+    from draftsmith.heads.importer import ImportError_, import_drafter
+
+    eagle3_checkpoint(tiny_target, tmp_path / "ckpt")
+    out = export(tmp_path / "ckpt", "vllm", tmp_path / "export", dtype="float32")
+    weights = load_file(str(out / "model.safetensors"))
+    weights["t2d"][0] = not bool(weights["t2d"][0])
+    save_file(weights, str(out / "model.safetensors"))
+    with pytest.raises(ImportError_, match="t2d and d2t disagree"):
+        import_drafter(out, "vllm", tiny_target)
+    medusa_checkpoint(tiny_target, tmp_path / "m", num_heads=2, draft_vocab_size=32)
+    export(tmp_path / "m", "vllm", tmp_path / "mx", dtype="float32")
+    from draftsmith.heads.target import Target
+    other = Target.load(str(build_tiny_target(tmp_path / "other", seed=9)), "float32")
+    with pytest.raises(ImportError_, match="shared head is not this target's lm_head"):
+        import_drafter(tmp_path / "mx", "vllm", other)
+
+
+def test_a_recipe_warm_starts_from_an_imported_checkpoint(tiny_target_dir, tmp_path):
+    """drafter.init_from: training starts from the checkpoint's weights (step 0 equals them) and a
+    checkpoint whose shapes do not fit the recipe is refused, naming the tensor."""
+    import yaml
+    from draftsmith.heads.drafter import CheckpointError
+    from draftsmith.train.loop import fit
+    from draftsmith.train.settings import recipe_from_dict
+    from test_train import tiny_recipe
+
+    raw = tiny_recipe(tmp_path, tiny_target_dir, epochs=1, eval_prompts=0, lr=0.0, warmup_steps=0)
+    first = fit(recipe_from_dict(raw), progress=False)
+    raw2 = yaml.safe_load(yaml.safe_dump(raw))
+    raw2["output_dir"] = str(tmp_path / "warm")
+    raw2["drafter"]["init_from"] = first.checkpoint
+    import shutil
+    shutil.copytree(tmp_path / "run" / "data", tmp_path / "warm" / "data")
+    warm = fit(recipe_from_dict(raw2), progress=False)           # lr 0: the weights stay what they started as
+    a = load_file(f"{first.checkpoint}/model.safetensors")
+    b = load_file(f"{warm.checkpoint}/model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    raw2["drafter"]["num_heads"] = 2
+    raw2["output_dir"] = str(tmp_path / "bad")
+    shutil.copytree(tmp_path / "run" / "data", tmp_path / "bad" / "data")
+    with pytest.raises(CheckpointError, match=r"does not fit this recipe's drafter"):
+        fit(recipe_from_dict(raw2), progress=False)

@@ -76,6 +76,11 @@ def build_drafter(recipe: Recipe, target: Target, train_rows):
         drafter.metadata["draft_vocab_coverage"] = coverage(counts, vocab)
         log.info("draft vocabulary: %d tokens cover %.1f%% of training reply tokens", vocab_size,
                  100 * drafter.metadata["draft_vocab_coverage"])
+    init_from = getattr(recipe.drafter, "init_from", None)
+    if init_from:                  # its weights, its draft vocabulary (the rows of its lm_head) included
+        from draftsmith.heads.drafter import warm_start
+        warm_start(drafter, init_from)
+        log.info("warm start from %s", init_from)
     return drafter
 
 
