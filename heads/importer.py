@@ -92,6 +92,9 @@ def _eagle3(config: dict, weights: dict, target: Target, fmt: str):
                            "which draftsmith's EAGLE-3 layer does not do")
     ids = (config.get("eagle_aux_hidden_state_layer_ids")
            or config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"))
+    if not ids and fmt == "vllm":           # vLLM then fuses its default layers: (2, N//2, N-3), as we do
+        from .eagle3 import default_layer_ids
+        ids = default_layer_ids(target.num_layers)
     if not ids or len(ids) != 3:
         raise ImportError_("the export names no 3 fused target layers (eagle_aux_hidden_state_layer_ids)")
     ids = [int(i) + 1 for i in ids] if fmt in OUTPUT_CONVENTION else [int(i) for i in ids]
