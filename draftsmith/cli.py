@@ -101,6 +101,9 @@ def cmd_data(args) -> dict:
     from draftsmith.train.settings import load_recipe
 
     recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
+    if args.dry_run:
+        from draftsmith.train.plan import dry_run
+        return dry_run(recipe, recipe.target.load(), "data")
     require_writable(recipe.out, "output_dir")
     with DirectoryLock(recipe.out, "data run"):
         target = recipe.target.load()
@@ -117,6 +120,9 @@ def cmd_train(args) -> dict:
     from draftsmith.train.settings import load_recipe
 
     recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
+    if args.dry_run:
+        from draftsmith.train.plan import dry_run
+        return dry_run(recipe, recipe.target.load(), "train")
     report = fit(recipe)
     agreement = " ".join(f"{a:.2f}" for a in report.heldout_agreement)
     if int(os.environ.get("RANK", "0")) == 0:          # under a launcher, one summary for the run
@@ -352,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(verb, help=helptext)
         p.add_argument("recipe", help="a recipe YAML or a shipped recipe name")
         p.add_argument("overrides", nargs="*", help="key=value or section.key=value")
+        p.add_argument("--dry-run", action="store_true", help="print the conversations, tokens, feature-cache "
+                       "size against free disk and the minutes a short probe here predicts; write nothing")
 
     sub.add_parser("recipes", help="list the recipes shipped with draftsmith")
     p = sub.add_parser("import", help="read a drafter exported for a serving stack back into a draftsmith checkpoint")

@@ -239,3 +239,18 @@ def test_the_python_api_of_the_readme_runs(tiny_target_dir, tmp_path):
     out = export(report.checkpoint, "vllm", tmp_path / "vllm")
     assert (Path(out) / "model.safetensors").is_file()
     assert load_recipe("medusa-smollm2-135m").method == "medusa"          # a shipped recipe, by name
+
+
+def test_dry_run_prints_the_plan_from_a_probe_and_writes_nothing(tiny_target_dir, tmp_path, capsys):
+    from draftsmith.cli import main
+
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(yaml.safe_dump(tiny_recipe(tmp_path, tiny_target_dir)))
+    for verb in ("data", "train"):
+        assert main([verb, str(recipe_file), "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert f"{verb} --dry-run: {tmp_path / 'run'} (nothing written)" in out
+        assert "source " in out and ": 40 conversations, 40 taken (5 batches of 8" in out
+        assert "feature cache: about" in out and "free" in out and "tokens/s measured here" in out
+        assert ("training:" in out) == (verb == "train")
+        assert not (tmp_path / "run").exists()
