@@ -10,6 +10,7 @@ template's role headers and generation prompts never are.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class ChatTemplateError(ValueError):
@@ -23,12 +24,32 @@ class TokenizedChat:
     truncated: bool
 
 
+PLAIN = "none"      # target.chat_template: none renders turns as plain text (base models)
+PLAIN_SEPARATOR = "\n\n"
+
+
+def apply_chat_settings(tokenizer, template: str | None, kwargs: dict | None) -> None:
+    """How every verb renders chats for this target (target.chat_template, target.chat_template_kwargs):
+    kept on the tokenizer, which data, evaluation and bench all render through."""
+    if template == PLAIN:
+        tokenizer.draftsmith_plain_text = True
+    elif template:
+        path = Path(template).expanduser()
+        tokenizer.chat_template = path.read_text() if "{" not in template and path.is_file() else template
+    tokenizer.draftsmith_template_kwargs = dict(kwargs or {})
+
+
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    if getattr(tokenizer, "draftsmith_plain_text", False):       # a base model: the turns as one running text
+        text = PLAIN_SEPARATOR.join(m["content"] for m in messages)
+        return text + PLAIN_SEPARATOR if add_generation_prompt and messages else text
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(
             f"tokenizer '{getattr(tokenizer, 'name_or_path', '?')}' has no chat template; draftsmith renders chats "
-            "with the target's own template. Use an instruct/chat model or set tokenizer.chat_template")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            "with the target's own template. For a base model set target.chat_template=none (plain text), or give "
+            "a template: target.chat_template=FILE.jinja")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **getattr(tokenizer, "draftsmith_template_kwargs", {}))
 
 
 def assistant_spans(tokenizer, messages: list[dict], add_generation_prompt: bool = False
@@ -36,16 +57,21 @@ def assistant_spans(tokenizer, messages: list[dict], add_generation_prompt: bool
     """The full rendered text and the character spans of its assistant turns."""
     text = render(tokenizer, messages, add_generation_prompt=add_generation_prompt)
     spans = []
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         before = render(tokenizer, messages[:i], add_generation_prompt=True)
         through = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        if not (text.startswith(before) and text.startswith(through) and len(through) > len(before)):
+        if text.startswith(before) and text.startswith(through) and len(through) > len(before):
+            spans.append((len(before), len(through)))
+        elif i == last:
             raise ChatTemplateError(
-                "the chat template does not render a conversation as a growing prefix (turn "
-                f"{i} changes earlier text), so assistant tokens cannot be located; use a template that does")
-        spans.append((len(before), len(through)))
+                "the chat template does not render a conversation as a growing prefix even for its last reply "
+                f"(turn {i}), so assistant tokens cannot be located; give a template that does "
+                "(target.chat_template)")
+        # else: a template that rewrites earlier turns (reasoning models drop earlier <think> blocks):
+        # the full text no longer holds this turn as the model saw it, so it is not trained on
     return text, spans
 
 

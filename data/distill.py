@@ -142,7 +142,7 @@ def columns(settings: DataSettings) -> sources.Columns:
                            prompt_field=settings.prompt_field, streaming=settings.streaming)
 
 
-def fingerprint(settings: DataSettings, seed: int, target_identity: dict) -> str:
+def fingerprint(settings: DataSettings, seed: int, target_identity: dict, chat: dict | None = None) -> str:
     """What the shards depend on: a resumed run, and training on them, must agree on all of it."""
     keys = asdict(settings)
     free = ["max_minutes", "max_conversations", "regenerate", "streaming"]     # these may change between resumes
@@ -162,6 +162,8 @@ def fingerprint(settings: DataSettings, seed: int, target_identity: dict) -> str
     keys["target"] = target_identity["weights_sha256"]
     if target_identity.get("adapter_sha256"):      # a LoRA adapter on the target (absent: the fingerprints of old data)
         keys["target_adapter"] = target_identity["adapter_sha256"]
+    if chat:                                        # a chat template, its arguments, stop tokens of the recipe's own
+        keys["target_chat"] = chat
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -335,7 +337,7 @@ def check_same_data(out_dir: Path, settings: DataSettings, seed: int, target: Ta
     if not manifest_path.exists():
         return
     manifest = json.loads(manifest_path.read_text())
-    key = fingerprint(settings, seed, target.identity.to_dict())
+    key = fingerprint(settings, seed, target.identity.to_dict(), target.chat)
     if manifest.get("fingerprint") == key:
         return
     saved = DataSettings(**{k: v for k, v in (manifest.get("settings") or {}).items()
@@ -345,6 +347,9 @@ def check_same_data(out_dir: Path, settings: DataSettings, seed: int, target: Ta
              and name not in ("max_minutes", "max_conversations")]
     if manifest.get("seed") != seed:
         diffs.append(f"seed: on disk {manifest.get('seed')}, recipe {seed}")
+    if manifest.get("target_chat") != target.chat:
+        diffs.append(f"the target's prompt format (target.chat_template, chat_template_kwargs, stop_tokens): on disk "
+                     f"{manifest.get('target_chat')}, recipe {target.chat}")
     raise ValueError(
         f"{out_dir} holds data made with other settings ({'; '.join(diffs) or 'fingerprint ' + str(manifest.get('fingerprint'))})."
         f" Use another output_dir, or delete {out_dir} to make it again with the recipe's settings")
@@ -352,10 +357,11 @@ def check_same_data(out_dir: Path, settings: DataSettings, seed: int, target: Ta
 
 def _check_manifest(out_dir: Path, settings: DataSettings, seed: int, target: Target) -> None:
     check_same_data(out_dir, settings, seed, target)
-    key = fingerprint(settings, seed, target.identity.to_dict())
+    key = fingerprint(settings, seed, target.identity.to_dict(), target.chat)
     manifest_path = out_dir / "manifest.json"
     write_atomic(manifest_path, json.dumps({"fingerprint": key, "settings": asdict(settings), "seed": seed,
-                                            "target": target.identity.to_dict()}, indent=1))
+                                            "target": target.identity.to_dict(), "target_chat": target.chat},
+                                           indent=1))
 
 
 def finish(out_dir: Path, settings: DataSettings, stats, counts: dict, seconds: float) -> DataReport:

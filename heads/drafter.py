@@ -28,7 +28,8 @@ from .files import save_tensors_atomic, sha256_file, write_atomic
 from .target import Target, TargetError, TargetIdentity
 
 CONFIG_FILE = "config.json"
-RESERVED = ("kind", "draftsmith_version", "target", "target_source", "target_adapter", "target_architecture",
+RESERVED = ("kind", "draftsmith_version", "target", "target_source", "target_adapter", "target_chat",
+            "target_architecture",
             "target_layer_ids", "drafter", "architecture", "weights_sha256")
 WEIGHTS_FILE = "model.safetensors"
 ADAPTER_IN_CHECKPOINT = "adapter"      # target_adapter relative to the checkpoint: a LoRA trained with it
@@ -114,6 +115,7 @@ def save_drafter(drafter, directory: Path, extra: dict | None = None, state: dic
         "target": identity.to_dict(),
         "target_source": getattr(drafter.target, "source", drafter.target_identity.name),
         "target_adapter": adapter,
+        "target_chat": getattr(drafter.target, "chat", None),     # its prompt format, if not the model's own
         "target_architecture": ((getattr(model_config, "architectures", None) or [None])[0]
                                 or type(drafter.target.model).__name__),
         "target_layer_ids": list(getattr(drafter, "layer_ids", drafter.required_layers)),
@@ -179,7 +181,8 @@ def checkpoint_target(config: dict, dtype, device, path: str | None = None, adap
     `adapter` ('none': the bare target); layers=False: its embedding and lm_head only, where possible."""
     path = path or config.get("target_source") or config["target"]["name"]
     adapter = config.get("target_adapter") if adapter is None else (None if adapter == "none" else adapter)
-    return Target.load(path, dtype, device, adapter=adapter, layers=layers, device_map=device_map)
+    return Target.load(path, dtype, device, adapter=adapter, layers=layers, device_map=device_map,
+                       chat=config.get("target_chat"))
 
 
 def load_drafter(directory: Path, target: Target):

@@ -166,6 +166,7 @@ class Target:
         self.identity = identity or base_identity(model, name)
         self.adapter: Adapter | None = None                    # set by load()
         self.layers_loaded = True      # False: embedding and lm_head only (heads/target_heads.py)
+        self.chat: dict | None = None  # set_chat(): a template, its arguments and stop tokens of the recipe's own
         self.eos_token_ids = self._eos_ids()
         self.source = name
         self.precision = str(self.dtype).replace("torch.", "")     # what the forwards compute in
@@ -175,7 +176,7 @@ class Target:
     def load(cls, path: str = "smollm2-135m", dtype: str | torch.dtype = "auto",
              device: str | torch.device | None = "auto", trust_remote_code: bool = False,
              adapter: str | Path | None = None, merge_adapter: bool = True, layers: bool = True,
-             device_map=None) -> Target:
+             device_map=None, chat: dict | None = None) -> Target:
         """Load a target from a local HF directory, a hub id in the local cache, a .gguf file or 'smollm2-135m'.
 
         device: 'auto' (cuda when present, else cpu), or a device name (heads/device.py);
@@ -199,6 +200,7 @@ class Target:
             target = load_heads(Path(model_dir), name, heads_dtype, device, trust_remote_code)
             if target is not None:
                 target.source = path if not Path(path).expanduser().exists() else str(Path(path).expanduser().resolve())
+                target.set_chat(chat)
                 return target
         # float16 on a CPU: fp32 weights, plus fp16 copies packed for small blocks (heads/cpu_linear.py)
         packed = torch_dtype == torch.float16 and device.type == "cpu"
@@ -230,8 +232,28 @@ class Target:
         target.precision = precision
         # where it came from, to find it again (an embedded name, or an absolute local path)
         target.source = path if not Path(path).expanduser().exists() else str(Path(path).expanduser().resolve())
+        target.set_chat(chat)
         target.self_check()
         return target
+
+    def set_chat(self, chat: dict | None) -> None:
+        """How this target is prompted (target.chat_template, chat_template_kwargs, stop_tokens): on its
+        tokenizer, which every verb renders through, and in its end-of-turn ids.  `self.chat` is what a
+        checkpoint and the data fingerprint record (None: the model's own template and EOS)."""
+        from draftsmith.data.chat import apply_chat_settings
+
+        chat = {k: v for k, v in (chat or {}).items() if v not in (None, {}, [], ())}
+        apply_chat_settings(self.tokenizer, chat.get("template"), chat.get("kwargs"))
+        extra = []
+        for token in chat.get("stop_tokens", []):
+            token_id = token if isinstance(token, int) else self.tokenizer.convert_tokens_to_ids(token)
+            if not isinstance(token_id, int) or token_id < 0 or token_id >= self.vocab_size or (
+                    isinstance(token, str) and token_id == self.tokenizer.unk_token_id):
+                raise TargetError(f"target.stop_tokens: {token!r} is not a token of target '{self.name}'; give "
+                                  "a token string from its vocabulary (e.g. '<|im_end|>') or a token id")
+            extra.append(token_id)
+        self.eos_token_ids = sorted(set(self.eos_token_ids) | set(extra))
+        self.chat = chat or None
 
     def _eos_ids(self) -> list[int]:
         ids = set()

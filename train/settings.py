@@ -38,6 +38,13 @@ class TargetSettings:
     """A peft LoRA adapter directory on the target (base + adapter is the target everywhere); null = none."""
     merge_adapter: bool = True
     """Merge the adapter into the weights (same outputs, the base's speed); false keeps peft's LoRA layers."""
+    chat_template: str | None = None
+    """How prompts are rendered everywhere (data, eval, bench): null = the model's own template; a Jinja
+    string or file; or none = plain text continuation, for base models without a template."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Passed to apply_chat_template, e.g. {enable_thinking: false} for Qwen3-style reasoning templates."""
+    stop_tokens: list = field(default_factory=list)
+    """Extra end-of-turn tokens (strings from the vocabulary, or ids) for templates whose turn end is not EOS."""
     device_map: str | dict | None = None
     """A target bigger than one device: auto, balanced, balanced_low_0, sequential, or {module: device}
     (transformers' big-model loading), for data, evaluation and feature extraction; null = target.device."""
@@ -70,7 +77,14 @@ class TargetSettings:
 
         return Target.load(self.path, self.dtype, resolve_device(self.device if device is None else device),
                            trust_remote_code=self.trust_remote_code, adapter=self.adapter,
-                           merge_adapter=self.merge_adapter, layers=layers, device_map=self.device_map)
+                           merge_adapter=self.merge_adapter, layers=layers, device_map=self.device_map,
+                           chat=self.chat)
+
+    @property
+    def chat(self) -> dict | None:
+        chat = {"template": self.chat_template, "kwargs": dict(self.chat_template_kwargs),
+                "stop_tokens": list(self.stop_tokens)}
+        return {k: v for k, v in chat.items() if v not in (None, {}, [])} or None
 
 
 @dataclass
