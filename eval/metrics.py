@@ -46,6 +46,3 @@ def simulated_tau(top1_agreement: Sequence[float]) -> float:
         total += running
     return total
 
-
-def speedup(baseline_seconds: float, speculative_seconds: float) -> float:
-    return baseline_seconds / speculative_seconds if speculative_seconds > 0 else float("nan")

@@ -19,7 +19,7 @@ def configure_proposal(drafter, target: Target, options: EvalSettings):
     """Set the drafter's proposal shape and return the drafter to decode with: the same one, or wrapped with
     the context lookup when options.lookup asks for it.  A shape tuned here is written back into options
     (tree_size, tree_depth_topk_total), so a second call, the fp32 exactness check's, reuses it."""
-    if options.proposal == "chain" or (options.proposal == "default" and getattr(drafter, "prefers_chain", False)):
+    if options.proposal == "chain":
         drafter.set_proposal(chain=options.chain_length)
     elif hasattr(drafter, "default_tree"):        # static trees (Medusa)
         options.tree_size = options.tree_size or tune_tree_size(drafter, target, options.lookup)

@@ -272,10 +272,6 @@ class Target:
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def to(self, dtype: torch.dtype) -> Target:
-        self.model.to(dtype)
-        return self
-
     # -- pieces drafters reuse -------------------------------------------------
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target logits from final (normed) hidden states, as the model's own head computes them.

@@ -37,10 +37,6 @@ class DraftTree:
             self._mask = ancestor_mask(self.parents)
         return self._mask
 
-    def children(self, node: int) -> list[int]:
-        """Children of node (-1 = root), in index order."""
-        return (self.parents == node).nonzero().flatten().tolist()
-
 
 def depths_of(parents: torch.Tensor) -> torch.Tensor:
     depths = torch.zeros(parents.numel(), dtype=torch.long)
@@ -85,7 +81,6 @@ class TreeShape:
         self.parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in self.paths], dtype=torch.long)
         self.depths = depths_of(self.parents)
         self.ranks = torch.tensor([p[-1] for p in self.paths], dtype=torch.long)
-        self.mask = ancestor_mask(self.parents)
 
     @property
     def size(self) -> int:
