@@ -270,6 +270,7 @@ def recommendation(results: list[dict]) -> str:
 def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_progress: bool = True) -> dict:
     """Load, sweep, summarise, write report.json / report.md / report.html (+ PNG plots) to out_dir."""
     from draftsmith.heads.drafter import read_config
+    from draftsmith.heads.drafter import target_path as checkpoint_target_path
     from draftsmith.heads.files import require_writable
 
     from .bench_report import write_reports
@@ -285,7 +286,7 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
     require_writable(out_dir.resolve(), "--out")
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    target_path = settings.target or config.get("target_source") or config["target"]["name"]
+    target_path = checkpoint_target_path(config, settings.target)
     if settings.engine != "draftsmith" and (settings.adapter or config.get("target_adapter")):
         raise BenchError(f"the target has a LoRA adapter ({settings.adapter or config['target_adapter']}): "
                          f"--engine {settings.engine} would serve the bare base without it; bench this drafter with "

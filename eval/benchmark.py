@@ -23,6 +23,7 @@ from draftsmith.data import sources
 from draftsmith.data.chat import prompt_ids
 from draftsmith.heads.device import resolve_device, synchronize
 from draftsmith.heads.drafter import checkpoint_target, load_drafter, read_config
+from draftsmith.heads.drafter import target_path as checkpoint_target_path
 from draftsmith.heads.target import Target, resolve_dtype
 
 from . import metrics
@@ -183,7 +184,7 @@ def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOpt
 def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> EvalReport:
     options = dataclasses.replace(options)        # the tuners and the time budget adjust a copy
     config = read_config(checkpoint)
-    target_path = options.target or config.get("target_source") or config["target"]["name"]
+    target_path = checkpoint_target_path(config, options.target)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     target = checkpoint_target(config, dtype, device, target_path, options.adapter, device_map=options.device_map)

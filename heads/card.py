@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from .drafter import CONFIG_FILE, WEIGHTS_FILE, read_config
+from .drafter import CONFIG_FILE, WEIGHTS_FILE, read_config, target_path
 from .files import write_atomic
 
 CARD_FILE = "README.md"
@@ -27,7 +27,7 @@ PUSHED = (CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, "recipe.yaml", LAST_EVAL_FILE, "
 
 
 def base_model(config: dict) -> str:
-    source = str(config.get("target_source") or config["target"]["name"])
+    source = str(target_path(config))
     if source in HUB_IDS:
         return HUB_IDS[source]
     looks_like_hub_id = source.count("/") == 1 and not source.startswith((".", "/", "~"))

@@ -175,11 +175,16 @@ def read_weights(directory: Path, config: dict | None = None) -> dict:
                               "train again") from None
 
 
+def target_path(config: dict, given: str | None = None) -> str:
+    """Where a checkpoint's target is loaded from: `given`, else where it was trained from, else its name."""
+    return given or config.get("target_source") or config["target"]["name"]
+
+
 def checkpoint_target(config: dict, dtype, device, path: str | None = None, adapter: str | None = None,
                       layers: bool = True, device_map=None) -> Target:
     """The target a checkpoint was trained against, or `path`; with the checkpoint's LoRA adapter, or
     `adapter` ('none': the bare target); layers=False: its embedding and lm_head only, where possible."""
-    path = path or config.get("target_source") or config["target"]["name"]
+    path = target_path(config, path)
     adapter = config.get("target_adapter") if adapter is None else (None if adapter == "none" else adapter)
     return Target.load(path, dtype, device, adapter=adapter, layers=layers, device_map=device_map,
                        chat=config.get("target_chat"))

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .drafter import read_config, read_weights
+from .drafter import read_config, read_weights, target_path
 from .files import swap_directory
 
 FORMATS = ("vllm", "speculators", "sglang", "trtllm", "medusa-original")
@@ -128,7 +128,7 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
 
 def adapter_note(config: dict) -> str:
     """How to serve a drafter trained against base + LoRA adapter: merged, or with vLLM's LoRA support."""
-    base = config.get("target_source") or config["target"]["name"]
+    base = target_path(config)
     adapter = config["target_adapter"]
     return f"""
 ## The target carries a LoRA adapter

@@ -159,9 +159,10 @@ def eagle3_vllm(config, weights, target, dtype, checkpoint):
 def _verifier_path(config) -> str:
     """A path vLLM can load the target from (the converted directory for an embedded or GGUF target)."""
     from .assets import resolve_target_path
+    from .drafter import target_path
 
     try:
-        directory, _ = resolve_target_path(config.get("target_source") or config["target"]["name"])
+        directory, _ = resolve_target_path(target_path(config))
         return str(directory)
     except FileNotFoundError:
         return config["target"]["name"]
