@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftsmith.heads.assets import package_file
+from draftsmith.heads.assets import looks_like_hub_id, package_file
 
 log = logging.getLogger(__name__)
 
@@ -281,10 +281,6 @@ class Columns:
     messages_field: str | None = None     # a column of turns; None: 'messages' or 'conversations'
     prompt_field: str | None = None       # a column holding one user prompt per record
     streaming: bool = False
-
-
-def looks_like_hub_id(source: str) -> bool:
-    return source.count("/") == 1 and not source.startswith((".", "/", "~")) and not Path(source).exists()
 
 
 def from_datasets(source: str, columns: Columns, limit: int | None = None,

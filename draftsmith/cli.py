@@ -39,62 +39,6 @@ def resolve_recipe(name: str) -> Path:
     raise SystemExit(f"error: recipe '{name}' not found: give a YAML file or one of {available}")
 
 
-def shipped_recipes() -> dict[str, Path]:
-    folder = resources.files("draftsmith.recipes")
-    return {p.name.removesuffix(".yaml"): Path(str(p)) for p in sorted(folder.iterdir(), key=lambda p: p.name)
-            if p.name.endswith(".yaml")}
-
-
-def recipe_summary(path: Path) -> tuple[str, str]:
-    """(the command its header gives, the first sentence of its description) from a recipe's comments."""
-    lines = []
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        lines.append(line.lstrip("#").strip())
-    command = lines[0] if lines else ""
-    prose = " ".join(lines[lines.index(""):] if "" in lines else lines[1:]).strip()
-    sentence = prose.split(". ")[0].rstrip(".") + "." if prose else ""
-    return command, sentence
-
-
-def cmd_recipes(args) -> dict:
-    recipes = shipped_recipes()
-    for name, path in recipes.items():
-        command, sentence = recipe_summary(path)
-        print(f"{name}\n    {sentence}\n    {command}")
-    return {"recipes": list(recipes)}
-
-
-def cmd_show(args) -> dict:
-    """The recipe as a run would read it (overrides applied, defaults filled in), each field with its help."""
-    import yaml
-    from draftsmith.heads.config import field_help
-    from draftsmith.heads.drafter import registry
-    from draftsmith.train.settings import SECTIONS, Recipe, load_recipe
-
-    recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
-    resolved = recipe.to_dict()
-    helps = {"": field_help(Recipe), "drafter": field_help(registry()[recipe.method].config_class),
-             **{name: field_help(cls) for name, cls in SECTIONS.items()}}
-
-    def line(key, value, indent, section):
-        text = yaml.safe_dump({key: value}, default_flow_style=True, width=10 ** 6).strip()[1:-1]
-        note = helps[section].get(key, "")
-        return f"{' ' * indent}{text}" + (f"    # {note}" if note else "")
-
-    print(f"# {args.recipe}" + (f" with {' '.join(args.overrides)}" if args.overrides else "")
-          + ": what a run reads, every default filled in")
-    for key, value in resolved.items():
-        if isinstance(value, dict) and key in helps:
-            print(f"{key}:" + (f"    # {helps[''][key]}" if helps[""].get(key) else ""))
-            for sub_key, sub_value in value.items():
-                print(line(sub_key, sub_value, 2, key))
-        else:
-            print(line(key, value, 0, ""))
-    return resolved
-
-
 def cmd_data(args) -> dict:
     from draftsmith.heads.files import DirectoryLock, require_writable
     from draftsmith.train.batches import make_recipe_data
@@ -177,52 +121,6 @@ def cmd_eval(args) -> dict:
         except OSError as err:
             logging.getLogger("draftsmith").warning("the checkpoint's model card was not updated (%s)", err)
     return report.to_dict()
-
-
-def cmd_import(args) -> dict:
-    """A drafter written for a serving stack, read back as a draftsmith checkpoint (warm starts)."""
-    import json
-
-    from draftsmith.heads.device import resolve_device
-    from draftsmith.heads.files import require_writable
-    from draftsmith.heads.importer import import_checkpoint
-    from draftsmith.heads.target import Target
-
-    source = Path(args.source)
-    config_file = source / "config.json"
-    if not config_file.is_file():
-        raise SystemExit(f"error: '{source}' is not an export: no config.json")
-    named = json.loads(config_file.read_text())
-    target_path = args.target or (named.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
-                                  or named.get("base_model_name_or_path"))
-    if not target_path:
-        raise SystemExit(f"error: '{source}' does not name its target: give it with --target PATH")
-    require_writable(Path(args.out_dir), "the output directory")
-    target = Target.load(target_path, "float32", resolve_device(args.device), layers=False)
-    out = import_checkpoint(source, args.fmt, args.out_dir, target)
-    print(f"imported {args.fmt} export {source} as a draftsmith checkpoint in {out} (target {target.name}); "
-          f"fine-tune from it with drafter.init_from={out}")
-    return {"checkpoint": str(out)}
-
-
-def cmd_push(args) -> dict:
-    """Upload a checkpoint (its card, weights, config and recipe; never the resume state) to the Hub."""
-    import tempfile
-
-    from draftsmith.heads.card import push_folder
-
-    formats = tuple(f for f in (args.export or "").split(",") if f)
-    with tempfile.TemporaryDirectory(prefix="draftsmith-push-") as tmp:
-        folder = push_folder(Path(args.checkpoint), Path(tmp) / "folder", formats)
-        from huggingface_hub import HfApi
-
-        api = HfApi()
-        api.create_repo(args.repo_id, private=args.private, exist_ok=True)
-        info = api.upload_folder(folder_path=str(folder), repo_id=args.repo_id,
-                                 commit_message=f"draftsmith push of {Path(args.checkpoint).name}")
-        files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
-    print(f"pushed {len(files)} files to https://huggingface.co/{args.repo_id}")
-    return {"repo_id": args.repo_id, "files": files, "commit": str(getattr(info, "oid", info))}
 
 
 def cmd_quickstart(args) -> dict:
@@ -435,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="where the target's identity is checked (auto, cpu, cuda)")
     return parser
 
+
+from .tools import cmd_import, cmd_push, cmd_recipes, cmd_show  # noqa: E402 - they use resolve_recipe
 
 VERBS = {"data": cmd_data, "train": cmd_train, "eval": cmd_eval, "bench": cmd_bench, "quickstart": cmd_quickstart,
          "export": cmd_export, "recipes": cmd_recipes, "show": cmd_show, "push": cmd_push,

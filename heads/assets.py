@@ -46,6 +46,11 @@ def package_file(distribution: str, relative: str) -> Path:
     return path
 
 
+def looks_like_hub_id(name: str) -> bool:
+    """owner/name, and not a path that exists here."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).expanduser().exists()
+
+
 def resolve_target_path(path: str, trust_remote_code: bool = False) -> tuple[Path | str, str]:
     """Map what the user typed to a directory transformers can load offline, and a display name."""
     if path in EMBEDDED_TARGETS:
@@ -63,8 +68,7 @@ def resolve_target_path(path: str, trust_remote_code: bool = False) -> tuple[Pat
         if snapshots:  # a hub cache folder models--org--name
             return snapshots[-1].parent, p.name
         raise AssetError(f"target directory '{path}' has no config.json: it is not a Hugging Face model directory")
-    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    if looks_like_hub_id and not p.exists():
+    if looks_like_hub_id(path):
         # A hub id: only the local cache is looked at (no network at run time).
         try:
             from huggingface_hub import snapshot_download

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from .assets import looks_like_hub_id
 from .drafter import CONFIG_FILE, WEIGHTS_FILE, read_config, target_path
 from .files import write_atomic
 
@@ -30,8 +31,7 @@ def base_model(config: dict) -> str:
     source = str(target_path(config))
     if source in HUB_IDS:
         return HUB_IDS[source]
-    looks_like_hub_id = source.count("/") == 1 and not source.startswith((".", "/", "~"))
-    return source if looks_like_hub_id else config["target"]["name"]
+    return source if looks_like_hub_id(source) else config["target"]["name"]
 
 
 def _table(rows: list[tuple[str, object]]) -> str:
@@ -44,9 +44,6 @@ def _rates(values) -> str:
 
 def model_card(directory: Path) -> str:
     from draftsmith import __version__
-
-    from .export import SUPPORTED
-    from .export_formats import serving_command
 
     directory = Path(directory)
     config = read_config(directory)
@@ -78,18 +75,29 @@ def model_card(directory: Path) -> str:
                                       f"{target.get('num_layers')} = final normed output)",
                       config.get("target_layer_ids")),
                      *[(k, v) for k, v in config["drafter"].items() if not isinstance(v, dict)]]), ""]
+    lines += _training_section(recipe, progress) + _measured_section(heldout, last_eval) + _serving_section(config)
+    lines += ["## Load it", "", "```python", "from draftsmith.heads.card import Drafter",
+              'drafter = Drafter.from_pretrained("THIS_DIR_OR_REPO")     # loads the target named above, checks it',
+              "```", ""]
+    return "\n".join(lines)
+
+
+def _training_section(recipe: dict, progress: dict) -> list[str]:
     data, train = recipe.get("data", {}), recipe.get("train", {})
-    if recipe:
-        lines += ["## Data and training", "",
-                  _table([("data source", data.get("source")), ("data mode", data.get("mode", "regenerate")),
-                          ("conversations (cap)", data.get("max_conversations")),
-                          ("data minutes (cap)", data.get("max_minutes")),
-                          ("training minutes (cap)", train.get("max_minutes")), ("epochs (cap)", train.get("epochs")),
-                          ("batch size x accumulation", f"{train.get('batch_size')} x {train.get('grad_accum', 1)}"),
-                          ("learning rate", train.get("lr")), ("steps done", progress.get("step", "-")),
-                          ("training tokens seen", progress.get("tokens", "-")),
-                          ("seed", recipe.get("seed"))]), ""]
-    lines += ["## Measured", ""]
+    if not recipe:
+        return []
+    return ["## Data and training", "",
+            _table([("data source", data.get("source")), ("data mode", data.get("mode", "regenerate")),
+                    ("conversations (cap)", data.get("max_conversations")),
+                    ("data minutes (cap)", data.get("max_minutes")),
+                    ("training minutes (cap)", train.get("max_minutes")), ("epochs (cap)", train.get("epochs")),
+                    ("batch size x accumulation", f"{train.get('batch_size')} x {train.get('grad_accum', 1)}"),
+                    ("learning rate", train.get("lr")), ("steps done", progress.get("step", "-")),
+                    ("training tokens seen", progress.get("tokens", "-")), ("seed", recipe.get("seed"))]), ""]
+
+
+def _measured_section(heldout: dict, last_eval: dict | None) -> list[str]:
+    lines = ["## Measured", ""]
     if heldout:
         lines += [f"- Held-out conversations at the end of training: top-1 agreement per draft position "
                   f"{_rates(heldout.get('heldout/agreement'))}, simulated tau {heldout.get('heldout/simulated_tau', 0):.2f}"
@@ -105,18 +113,22 @@ def model_card(directory: Path) -> str:
                   f"{last_eval['dtype']} on {last_eval['device']}. Speed depends on the machine: measure on yours."]
     if not heldout and not last_eval:
         lines += ["- Nothing measured yet: run `draftsmith eval` on this checkpoint."]
-    lines += ["", "## Serve it", ""]
-    for fmt in SUPPORTED.get(kind, ()):
+    return lines + [""]
+
+
+def _serving_section(config: dict) -> list[str]:
+    from .export import SUPPORTED
+    from .export_formats import serving_command
+
+    lines = ["## Serve it", ""]
+    for fmt in SUPPORTED.get(config["kind"], ()):
         try:
             command = serving_command(config, fmt)
         except ValueError as err:
             command = f"# not exportable to {fmt}: {err}"
         lines += [f"`{fmt}`:", "", "```bash", f"draftsmith export THIS_DIR --to {fmt} OUT_DIR",
                   command.replace("THIS_DIR", "OUT_DIR"), "```", ""]
-    lines += ["## Load it", "", "```python", "from draftsmith.heads.drafter import Drafter",
-              f'drafter = Drafter.from_pretrained("THIS_DIR_OR_REPO")     # loads the target named above, checks it',
-              "```", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def write_card(directory: Path) -> Path:
@@ -181,8 +193,7 @@ class Drafter:
 def _snapshot(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
 
-    looks_like_hub_id = repo_id.count("/") == 1 and not repo_id.startswith((".", "/", "~"))
-    if not looks_like_hub_id:
+    if not looks_like_hub_id(repo_id):
         raise FileNotFoundError(f"'{repo_id}' is neither a checkpoint directory nor a Hub repository id (owner/name)")
     try:
         return Path(snapshot_download(repo_id, revision=revision,

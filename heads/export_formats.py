@@ -54,13 +54,7 @@ def medusa_vllm(config, weights, target, dtype, checkpoint):
         raise ExportError("vLLM's Medusa takes a reduced draft vocabulary only with one shared head "
                           "(original_lm_head); this checkpoint has one trained head per position over "
                           f"{draft.numel()} tokens. Retrain with drafter.lm_head: shared, or draft_vocab_size: null")
-    out = {}
-    for h in range(heads):
-        for l in range(layers):
-            out[f"blocks.{h}.layers.{l}.weight"] = weights[f"blocks.{h}.{l}.linear.weight"]
-            out[f"blocks.{h}.layers.{l}.bias"] = weights[f"blocks.{h}.{l}.linear.bias"]
-        if not shared:
-            out[f"lm_heads.{h}.weight"] = weights[f"lm_heads.{h}.weight"]
+    out = {theirs: weights[ours] for ours, theirs in medusa_vllm_names(heads, layers, shared).items()}
     if shared:
         full = target.lm_head.weight.detach().float().cpu()
         out["lm_heads.0.weight"] = full[draft] if truncated else full
@@ -75,6 +69,18 @@ def medusa_vllm(config, weights, target, dtype, checkpoint):
     readme = _readme(config, checkpoint, "Medusa heads for vLLM", serving_command(config, "vllm"),
                      "vLLM's Medusa drafts a chain of the heads' top-1 tokens (no tree).")
     return {"model.safetensors": _cast(out, dtype)}, {"config.json": cfg, "README.md": readme}
+
+
+def medusa_vllm_names(heads: int, layers: int, shared: bool) -> dict[str, str]:
+    """draftsmith's Medusa tensor names -> vLLM's (a shared head is the target's lm_head, written apart)."""
+    names = {}
+    for h in range(heads):
+        for l in range(layers):
+            names[f"blocks.{h}.{l}.linear.weight"] = f"blocks.{h}.layers.{l}.weight"
+            names[f"blocks.{h}.{l}.linear.bias"] = f"blocks.{h}.layers.{l}.bias"
+        if not shared:
+            names[f"lm_heads.{h}.weight"] = f"lm_heads.{h}.weight"
+    return names
 
 
 def medusa_original(config, weights, target, dtype, checkpoint):

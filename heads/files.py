@@ -71,14 +71,19 @@ def require_writable(path: str | Path, what: str) -> None:
                            "can write to, or fix its permissions") from None
 
 
+def free_bytes(path: str | Path) -> int:
+    """Free space on the file system that holds `path` (or would, once created)."""
+    path = Path(path)
+    return shutil.disk_usage(next(p for p in [path, *path.parents] if p.exists())).free
+
+
 def require_free_space(path: str | Path, needed_bytes: int, what: str) -> None:
     """Raise StorageError when the file system holding `path` has less than `needed_bytes` free."""
     path = Path(path)
-    existing = next(p for p in [path, *path.parents] if p.exists())
-    free = shutil.disk_usage(existing).free
+    free = free_bytes(path)
     if free < needed_bytes:
         raise StorageError(errno.ENOSPC,
-                           f"{what} needs about {_size(needed_bytes)} at '{path}', but only {_size(free)} is free "
+                           f"{what} needs about {human_size(needed_bytes)} at '{path}', but only {human_size(free)} is free "
                            "there; free some space, choose another output_dir, or make less data "
                            "(data.max_conversations)")
 
@@ -91,7 +96,7 @@ def describe_os_error(err: OSError) -> str:
     if err.errno == errno.ENOSPC:
         directory = Path(err.filename).parent if err.filename else Path.cwd()
         existing = next((p for p in [directory, *directory.parents] if p.exists()), Path.cwd())
-        return (f"the disk is full writing{where} ({_size(shutil.disk_usage(existing).free)} free at "
+        return (f"the disk is full writing{where} ({human_size(shutil.disk_usage(existing).free)} free at "
                 f"'{existing}'); free some space or choose another output_dir. Finished work is kept: run the "
                 "same command again to continue")
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -99,7 +104,7 @@ def describe_os_error(err: OSError) -> str:
     return f"{err.strerror or err}{where}"
 
 
-def _size(n: float) -> str:
+def human_size(n: float) -> str:
     unit = "bytes"
     for bigger in ("KiB", "MiB", "GiB", "TiB"):
         if n < 1024:

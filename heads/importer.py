@@ -66,13 +66,11 @@ def _medusa_vllm(config: dict, weights: dict, target: Target):
         raise ImportError_(f"token_map names token {int(draft.max())}, beyond the target's vocabulary ({target.vocab_size})")
     drafter = Medusa(MedusaConfig(num_heads=heads, num_layers=layers, lm_head="shared" if shared else "own",
                                   draft_vocab_size=None if draft.numel() == target.vocab_size else draft.numel()), target)
+    from .export_formats import medusa_vllm_names
+
     state = {"draft_to_target": draft}
-    for h in range(heads):
-        for l in range(layers):
-            state[f"blocks.{h}.{l}.linear.weight"] = weights[f"blocks.{h}.layers.{l}.weight"]
-            state[f"blocks.{h}.{l}.linear.bias"] = weights[f"blocks.{h}.layers.{l}.bias"]
-        if not shared:
-            state[f"lm_heads.{h}.weight"] = weights[f"lm_heads.{h}.weight"]
+    state.update({ours: weights[theirs] for ours, theirs in medusa_vllm_names(heads, layers, shared).items()
+                  if theirs in weights})          # what is missing is named by _load
     if shared:                  # the one shared head is the target's own: it must be this target's
         written = weights["lm_heads.0.weight"]
         own = target.lm_head.weight.detach().float().cpu()[draft]

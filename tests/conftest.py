@@ -115,3 +115,24 @@ def default_run(tmp_path_factory):
         report = fit(recipe_from_dict(spec), progress=False)
         runs[method] = report.checkpoint
     return runs
+
+
+def kill_at_step(proc, checkpoint: Path, step: int, group: bool = False, timeout: float = 300) -> dict:
+    """SIGKILL `proc` (its whole process group with group=True) once the checkpoint in `checkpoint`
+    has saved `step` steps; returns the saved progress (what a resume starts from)."""
+    import json
+    import signal
+    import time
+
+    progress = Path(checkpoint) / "state" / "progress.json"
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if progress.exists() and json.loads(progress.read_text() or "{}").get("step", 0) >= step:
+            break
+        time.sleep(0.01)
+    if group:
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return json.loads(progress.read_text())

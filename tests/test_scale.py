@@ -161,9 +161,8 @@ def test_an_fsdp_run_killed_and_resumed_ends_where_one_process_does(one_process_
     2-process FSDP run killed mid-run (SIGKILL to the launcher's process group) and resumed reaches the
     one-process run's weights.  Resuming it without FSDP is refused, naming both."""
     import shutil
-    import signal
-    import time
 
+    from conftest import kill_at_step
     recipe_path, _, one_dir = one_process_run
     settings = ["train.epochs=6", "train.save_every=1"]
     run_train(recipe_path, tmp_path / "one", "train.batch_size=8", *settings)     # data: a copy of the fixture's
@@ -174,15 +173,7 @@ def test_an_fsdp_run_killed_and_resumed_ends_where_one_process_does(one_process_
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(launch, env=env, cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    progress = tmp_path / "two" / "checkpoint" / "state" / "progress.json"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if progress.exists() and json.loads(progress.read_text() or "{}").get("step", 0) >= 4:
-            break
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    saved = json.loads(progress.read_text())
+    saved = kill_at_step(proc, tmp_path / "two" / "checkpoint", 4, group=True)
     assert 4 <= saved["step"] < 18 and saved["sharding"] == "fsdp", "the kill did not land mid-run"
     done = subprocess.run([sys.executable, "-m", "draftsmith", "train", str(recipe_path), f"output_dir={tmp_path / 'two'}",
                            "train.batch_size=4", *settings, "resume=true"], env=env,

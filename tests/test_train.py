@@ -1,10 +1,8 @@
 """Recipes, the training loop, checkpoints, resume and the errors a user meets first."""
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -137,16 +135,9 @@ def test_training_killed_and_resumed_ends_with_the_same_weights(tiny_target_dir,
     import shutil
     shutil.copytree(tmp_path / "whole" / "data", tmp_path / "killed" / "data")
 
+    from conftest import kill_at_step
     proc = subprocess.Popen(base + [f"output_dir={tmp_path / 'killed'}"], env=env)
-    progress = tmp_path / "killed" / "checkpoint" / "state" / "progress.json"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if progress.exists() and json.loads(progress.read_text() or "{}").get("step", 0) >= 5:
-            break
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    step_at_kill = json.loads(progress.read_text())["step"]
+    step_at_kill = kill_at_step(proc, tmp_path / "killed" / "checkpoint", 5)["step"]
     assert 5 <= step_at_kill < 16, "the kill did not land mid-run"
     subprocess.run(base + [f"output_dir={tmp_path / 'killed'}", "resume=true"], check=True, env=env, timeout=600)
 

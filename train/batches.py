@@ -202,3 +202,43 @@ def collate(rows: list[dict]) -> dict:
         attention[i, :n] = 1
         loss_mask[i, :n] = torch.as_tensor(r["loss_mask"])
     return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
+
+
+def step_denominators(drafter, sampler, first: int, grad_accum: int, processes: int) -> torch.Tensor:
+    """Each loss term's token count over the optimizer step whose first micro-batch is `first`: all its
+    global batches (every process's slice), counted from the masks alone.  Divided by processes x
+    grad_accum, because accelerate (and DeepSpeed) divides each micro-batch's loss by grad_accum and the
+    processes' gradients are averaged: what is applied is then the gradient of the mean over the step's
+    tokens, the same however the step is split (heads/drafter.py, term_denominators)."""
+    counts = [drafter.loss_counts(collate(sampler.batches._rows(group)))
+              for group in sampler.groups[first: first + grad_accum]]
+    return torch.stack(counts).sum(0) / (processes * grad_accum)
+
+
+def training_target(recipe, accelerator) -> Target:
+    """The whole target, or only its embedding and lm_head when nothing in this process runs its layers:
+    training from a feature cache that is all there, no held-out decoding in this process (eval_prompts
+    0, or not the main process), and a drafter that neither trains part of the target (Medusa-2) nor
+    copies its layers (init_from_target).  A 70B target then costs each process two matrices."""
+    from draftsmith.data import features as feature_cache
+
+    decodes_here = recipe.train.eval_prompts > 0 and accelerator.is_main_process
+    light = (recipe.train.features == "cache" and not decodes_here and recipe.method != "medusa2"
+             and not getattr(recipe.drafter, "init_from_target", False) and not recipe.target.adapter
+             and (recipe.out / "data" / "tokenized").is_dir())
+    from .accelerator import whole_target
+
+    with whole_target(accelerator):
+        if light:
+            target = recipe.target.load(accelerator.device, layers=False)
+            if target.layers_loaded:        # its files did not allow it: loaded whole already
+                return target
+            data_dir = recipe.out / "data"
+            layers = feature_layers(recipe, target)
+            shards = len(list((data_dir / "shards").glob("shard-*.jsonl")))
+            cache = feature_cache.existing_superset(data_dir, layers) or feature_cache.cache_dir(data_dir, layers)
+            if len(list(cache.glob("shard-*.safetensors"))) == shards:
+                log.info("training from the feature cache: target %s loaded with its embedding and lm_head only",
+                         target.name)
+                return target
+        return recipe.target.load(accelerator.device)

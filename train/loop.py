@@ -27,7 +27,7 @@ from draftsmith.heads.files import DirectoryLock
 from draftsmith.heads.target import Target, TargetError
 
 from .accelerator import fill_deepspeed_sizes, make_accelerator, whole_parameters, whole_target
-from .batches import Batches, collate, feature_layers, load_training_data
+from .batches import Batches, feature_layers, load_training_data, step_denominators, training_target
 from .checkpointing import guard_output, load_state, save_checkpoint
 from .schedule import warmup_cosine
 from .settings import Recipe
@@ -100,7 +100,7 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
 def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> TrainReport:
     torch.manual_seed(recipe.seed)
     if target is None:
-        target = _training_target(recipe, accelerator)
+        target = training_target(recipe, accelerator)
     elif not same_device(target.device, accelerator.device):
         raise ValueError(f"the target given to fit() is on {target.device} but training runs on "
                          f"{accelerator.device}: load it with device={str(accelerator.device)!r}")
@@ -169,33 +169,6 @@ def _write_launch(recipe, accelerator, target) -> None:
             "processes": accelerator.num_processes, "device": str(accelerator.device),
             "zero_stage": zero_stage(accelerator), "mixed_precision": accelerator.mixed_precision,
             "target": "whole" if target.layers_loaded else "embedding and lm_head only"}, indent=1))
-
-
-def _training_target(recipe, accelerator) -> Target:
-    """The whole target, or only its embedding and lm_head when nothing in this process runs its layers:
-    training from a feature cache that is all there, no held-out decoding in this process (eval_prompts
-    0, or not the main process), and a drafter that neither trains part of the target (Medusa-2) nor
-    copies its layers (init_from_target).  A 70B target then costs each process two matrices."""
-    from draftsmith.data import features as feature_cache
-
-    decodes_here = recipe.train.eval_prompts > 0 and accelerator.is_main_process
-    light = (recipe.train.features == "cache" and not decodes_here and recipe.method != "medusa2"
-             and not getattr(recipe.drafter, "init_from_target", False) and not recipe.target.adapter
-             and (recipe.out / "data" / "tokenized").is_dir())
-    with whole_target(accelerator):
-        if light:
-            target = recipe.target.load(accelerator.device, layers=False)
-            if target.layers_loaded:        # its files did not allow it: loaded whole already
-                return target
-            data_dir = recipe.out / "data"
-            layers = feature_layers(recipe, target)
-            shards = len(list((data_dir / "shards").glob("shard-*.jsonl")))
-            cache = feature_cache.existing_superset(data_dir, layers) or feature_cache.cache_dir(data_dir, layers)
-            if len(list(cache.glob("shard-*.safetensors"))) == shards:
-                log.info("training from the feature cache: target %s loaded with its embedding and lm_head only",
-                         target.name)
-                return target
-        return recipe.target.load(accelerator.device)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -300,17 +273,6 @@ def decode_heldout(recipe, target, drafter, heldout) -> dict:
     depth = max(accepted, default=0)
     return {"eval/tau": metrics.tau(accepted),
             "eval/per_position_acceptance": metrics.per_position_acceptance(accepted, max(depth, 1))}
-
-
-def step_denominators(drafter, sampler, first: int, grad_accum: int, processes: int) -> torch.Tensor:
-    """Each loss term's token count over the optimizer step whose first micro-batch is `first`: all its
-    global batches (every process's slice), counted from the masks alone.  Divided by processes x
-    grad_accum, because accelerate (and DeepSpeed) divides each micro-batch's loss by grad_accum and the
-    processes' gradients are averaged: what is applied is then the gradient of the mean over the step's
-    tokens, the same however the step is split (heads/drafter.py, term_denominators)."""
-    counts = [drafter.loss_counts(collate(sampler.batches._rows(group)))
-              for group in sampler.groups[first: first + grad_accum]]
-    return torch.stack(counts).sum(0) / (processes * grad_accum)
 
 
 def _train_step(accelerator, model, optimizer, scheduler, target, batch, layers, settings, state, checkpoint_dir,

@@ -10,27 +10,13 @@ from __future__ import annotations
 
 import math
 import random
-import shutil
 import time
-from pathlib import Path
 
 import torch
+from draftsmith.heads.files import free_bytes, human_size
 
 PROBE_CONVERSATIONS = 32
 PROBE_TOKENS = 32
-
-
-def _free_bytes(path: Path) -> int:
-    existing = next(p for p in [path, *path.parents] if p.exists())
-    return shutil.disk_usage(existing).free
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 @torch.no_grad()
@@ -110,7 +96,7 @@ def dry_run(recipe, target, verb: str) -> dict:
     tokens = int(taken * (mean_prompt + reply))
     layers = feature_layers(recipe, target) if recipe.train.features == "cache" else ()
     cache_bytes = feature_cache.estimate_bytes(tokens, layers, target.hidden_size) if layers else 0
-    free = _free_bytes(recipe.out)
+    free = free_bytes(recipe.out)
     rate, probe = _data_rate(target, prompt_ids, settings)
     made = taken * (mean_prompt if settings.mode == "prefill" else reply)
     data_minutes = made / rate / 60
@@ -120,7 +106,7 @@ def dry_run(recipe, target, verb: str) -> dict:
              f"{settings.batch_size}; data.max_conversations {settings.max_conversations})",
              f"  tokens: about {tokens:,} ({mean_prompt:.0f} per prompt in a sample of {len(sample)}"
              + (f", + up to {reply} per reply: an upper bound)" if reply else ", prefilled as written)"),
-             f"  feature cache: about {_size(cache_bytes)} (layers {list(layers)}, bf16) against {_size(free)} free"
+             f"  feature cache: about {human_size(cache_bytes)} (layers {list(layers)}, bf16) against {human_size(free)} free"
              + ("" if cache_bytes < free else "  -- TOO LITTLE DISK: the run would be refused"),
              f"  data: {rate:,.0f} tokens/s measured here ({probe}): about {data_minutes:.1f} min"
              + (f", cut at data.max_minutes {settings.max_minutes}" if capped else "")]
