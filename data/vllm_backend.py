@@ -21,6 +21,10 @@ _ENGINES: dict = {}
 
 
 def _engine(target, max_len: int):
+    options = {}
+    if os.environ.get("DRAFTSMITH_VLLM_IN_PROCESS") == "1":     # as eval/vllm_worker.py: engine_options (tests)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        options = {"distributed_executor_backend": "uni"}
     try:
         from vllm import LLM
     except ImportError:
@@ -31,7 +35,8 @@ def _engine(target, max_len: int):
     if key not in _ENGINES:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         _ENGINES[key] = LLM(model=str(model_dir), dtype=str(target.dtype).replace("torch.", ""),
-                            max_model_len=max_len, seed=0, enforce_eager=target.device.type == "cpu")
+                            max_model_len=max_len, seed=0, enforce_eager=target.device.type == "cpu",
+                            **options)
     return _ENGINES[key]
 
 

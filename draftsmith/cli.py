@@ -85,7 +85,7 @@ EVAL_KEYS = ("prompts", "limit", "max_new_tokens", "temperature", "top_p", "rule
 def eval_settings(args):
     """Flags and key=value overrides (`limit=5` or `eval.limit=5`) into one EvalSettings, checked as a recipe's
     eval section is: types coerced, ranges and names validated, before anything loads."""
-    from draftsmith.eval.settings import EvalSettings
+    from draftsmith.heads.decode_settings import EvalSettings
     from draftsmith.heads.config import config_from_dict
     from draftsmith.train.settings import apply_overrides
 
@@ -114,7 +114,7 @@ def cmd_eval(args) -> dict:
     if args.json:
         write_json(report, args.json)
         print(f"wrote {args.json}")
-    from draftsmith.heads.card import record_eval
+    from draftsmith.export.card import record_eval
     if settings.target is None and settings.adapter is None:     # the checkpoint's own target: its card says so
         try:
             record_eval(args.checkpoint, report)
@@ -163,7 +163,7 @@ def _quickstart(recipe, start: float) -> dict:
     options = dataclasses.replace(recipe.eval, target=recipe.eval.target or recipe.target.path, device=str(device))
     report = evaluate(trained.checkpoint, options)
     write_json(report, recipe.out / "eval.json")
-    from draftsmith.heads.card import record_eval
+    from draftsmith.export.card import record_eval
     record_eval(trained.checkpoint, report)             # the checkpoint's model card carries it too
     print()
     print(markdown(report))
@@ -202,7 +202,7 @@ def cmd_bench(args) -> dict:
 
 
 def cmd_export(args) -> dict:
-    from draftsmith.heads.export import export
+    from draftsmith.export import export
 
     written = export(args.checkpoint, args.to, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
                      target_path=args.target, device=args.device, with_target=args.with_target)
@@ -263,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import", help="read a drafter exported for a serving stack back into a draftsmith checkpoint")
     p.add_argument("source", help="the export's directory")
     p.add_argument("--from", dest="fmt", required=True,
-                   choices=["vllm", "speculators", "sglang", "trtllm", "medusa-original"])
+                   choices=["vllm", "speculators", "sglang", "trtllm", "medusa-original", "eagle"],
+                   help="the layout it is in (eagle: the EAGLE repository's own EAGLE-3 layout; give --target)")
     p.add_argument("out_dir")
     p.add_argument("--target", default=None, help="the target it drafts for (default: the one the export names)")
     p.add_argument("--device", default="auto")

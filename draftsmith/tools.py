@@ -68,9 +68,9 @@ def cmd_import(args) -> dict:
     """A drafter written for a serving stack, read back as a draftsmith checkpoint (warm starts)."""
     import json
 
+    from draftsmith.export.importers import import_checkpoint
     from draftsmith.heads.device import resolve_device
     from draftsmith.heads.files import require_writable
-    from draftsmith.heads.importer import import_checkpoint
     from draftsmith.heads.target import Target
 
     source = Path(args.source)
@@ -94,7 +94,7 @@ def cmd_push(args) -> dict:
     """Upload a checkpoint (its card, weights, config and recipe; never the resume state) to the Hub."""
     import tempfile
 
-    from draftsmith.heads.card import push_folder
+    from draftsmith.export.card import push_folder
 
     formats = tuple(f for f in (args.export or "").split(",") if f)
     with tempfile.TemporaryDirectory(prefix="draftsmith-push-") as tmp:

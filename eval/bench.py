@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from . import metrics
+from draftsmith.heads import metrics
 from .traffic import Traffic, load_traffic
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ class BenchSettings:
 def sweep(target, drafter, traffic: Traffic, settings: BenchSettings, progress=None) -> tuple[list[Run], bool]:
     """Every request, both modes, every temperature and repeat. Returns (runs, complete): Ctrl-C stops
     the sweep, keeping every request whose two modes both finished in the interrupted repeat."""
-    from .verifier import decode
+    from draftsmith.heads.verifier import decode
 
     runs: list[Run] = []
     try:
@@ -339,8 +339,8 @@ def run_draftsmith(checkpoint: str, target_path: str, settings: BenchSettings, p
     from draftsmith.heads.target import resolve_dtype
 
     from .proposal import configure_proposal
-    from .settings import EvalSettings
-    from .verifier import decode
+    from draftsmith.heads.decode_settings import EvalSettings
+    from draftsmith.heads.verifier import decode
 
     device = resolve_device(settings.device)
     target = checkpoint_target(read_config(checkpoint), resolve_dtype(settings.dtype, device), device, target_path,

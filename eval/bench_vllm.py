@@ -156,7 +156,7 @@ def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSet
     from transformers import AutoTokenizer
 
     from draftsmith.heads.assets import resolve_target_path
-    from draftsmith.heads.export import export
+    from draftsmith.export import export
 
     python = vllm_python(settings.vllm_python)
     method = VLLM_METHODS.get(config.get("kind"))

@@ -26,10 +26,10 @@ from draftsmith.heads.drafter import checkpoint_target, load_drafter, read_confi
 from draftsmith.heads.drafter import target_path as checkpoint_target_path
 from draftsmith.heads.target import Target, resolve_dtype
 
-from . import metrics
+from draftsmith.heads import metrics
 from .proposal import configure_proposal, step_costs
-from .settings import EvalSettings
-from .verifier import decode
+from draftsmith.heads.decode_settings import EvalSettings
+from draftsmith.heads.verifier import decode
 
 log = logging.getLogger(__name__)
 

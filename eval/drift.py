@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from draftsmith.heads.target import Target
 
-from .verifier import decode
+from draftsmith.heads.verifier import decode
 
 
 @torch.no_grad()

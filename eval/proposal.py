@@ -9,8 +9,8 @@ import torch
 from draftsmith.heads.device import synchronize
 from draftsmith.heads.target import Target
 
-from .settings import EvalSettings
-from .verifier import decode
+from draftsmith.heads.decode_settings import EvalSettings
+from draftsmith.heads.verifier import decode
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ def configure_proposal(drafter, target: Target, options: EvalSettings):
     (tree_size, tree_depth_topk_total), so a second call, the fp32 exactness check's, reuses it."""
     if options.proposal == "chain":
         drafter.set_proposal(chain=options.chain_length)
-    elif hasattr(drafter, "default_tree"):        # static trees (Medusa)
+    elif drafter.static_tree:                     # static trees (Medusa)
         options.tree_size = options.tree_size or tune_tree_size(drafter, target, options.lookup)
         drafter.set_proposal(tree=drafter.default_tree(options.tree_size))
     elif options.tree_depth_topk_total:           # a dynamic tree tuned by an earlier call
@@ -136,5 +136,5 @@ def measure_draft_step(target: Target, drafter, prompt: list[int], repeats: int 
         drafter.propose(context)
         synchronize(target.device)
         times.append(time.perf_counter() - t)
-    levels = drafter.tree.depth if hasattr(drafter, "tree") and hasattr(drafter.tree, "depth") else 1
+    levels = getattr(drafter.tree, "depth", 1)            # a dynamic tree's depth; a static tree is one step
     return sorted(times)[len(times) // 2] / levels

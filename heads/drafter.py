@@ -92,6 +92,14 @@ def registry() -> dict:
     return {cls.kind: cls for cls in (Medusa, Medusa2, Eagle, Eagle3)}
 
 
+def describe(drafter) -> dict:
+    """The part of a checkpoint's config.json that says what its tensors are: kind, drafter settings,
+    target shape fields and architecture (what `parameter_layout` reads)."""
+    return {"kind": drafter.checkpoint_kind, "drafter": dataclasses.asdict(drafter.config),
+            "target": drafter.target_identity.to_dict(),
+            **({"architecture": drafter.architecture()} if drafter.architecture() else {})}
+
+
 def save_drafter(drafter, directory: Path, extra: dict | None = None, state: dict | None = None) -> None:
     """Write config.json and model.safetensors (the drafter's own weights only), atomically per file.
 
@@ -101,27 +109,29 @@ def save_drafter(drafter, directory: Path, extra: dict | None = None, state: dic
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().clone() for k, v in (state or drafter.state_dict()).items()}   # owned, contiguous
-    kind = getattr(drafter, "checkpoint_kind", drafter.kind)        # Medusa-2 heads load as Medusa
+    kind = drafter.checkpoint_kind        # Medusa-2 heads load as Medusa
     save_tensors_atomic(state, directory / WEIGHTS_FILE, metadata={"format": "pt", "kind": kind})
-    model_config = getattr(getattr(drafter.target, "model", None), "config", None)
-    identity, adapter = drafter.target_identity, getattr(drafter.target, "adapter", None)
+    model_config = drafter.target.model.config
+    identity, adapter = drafter.target_identity, drafter.target.adapter
     adapter = str(adapter.path) if adapter else None
-    if hasattr(drafter, "save_adapter"):        # the LoRA it trained, beside it: base + that is its target
-        identity = dataclasses.replace(identity, adapter_sha256=drafter.save_adapter(directory))
+    trained_adapter = drafter.save_adapter(directory)      # the LoRA it trained, beside it: base + that is its target
+    if trained_adapter is not None:
+        identity = dataclasses.replace(identity, adapter_sha256=trained_adapter)
         adapter = ADAPTER_IN_CHECKPOINT
+    described = describe(drafter)
     config = {
         "kind": kind,
         "draftsmith_version": __version__,
         "target": identity.to_dict(),
-        "target_source": getattr(drafter.target, "source", drafter.target_identity.name),
+        "target_source": drafter.target.source,
         "target_adapter": adapter,
-        "target_chat": getattr(drafter.target, "chat", None),     # its prompt format, if not the model's own
+        "target_chat": drafter.target.chat,     # its prompt format, if not the model's own
         "target_architecture": ((getattr(model_config, "architectures", None) or [None])[0]
                                 or type(drafter.target.model).__name__),
-        "target_layer_ids": list(getattr(drafter, "layer_ids", drafter.required_layers)),
-        "drafter": dataclasses.asdict(drafter.config),
-        **({"architecture": drafter.architecture()} if hasattr(drafter, "architecture") else {}),
-        **{k: v for k, v in getattr(drafter, "metadata", {}).items() if k not in RESERVED},
+        "target_layer_ids": drafter.fused_layer_ids(),
+        "drafter": described["drafter"],
+        **({"architecture": described["architecture"]} if "architecture" in described else {}),
+        **{k: v for k, v in drafter.metadata.items() if k not in RESERVED},
         **(extra or {}),
         "weights_sha256": sha256_file(directory / WEIGHTS_FILE),
     }
@@ -214,7 +224,7 @@ def warm_start(drafter, directory: str | Path) -> None:
     same target, the same shapes, or an error naming what differs."""
     directory = Path(directory)
     config = read_config(directory)
-    kind = getattr(drafter, "checkpoint_kind", drafter.kind)
+    kind = drafter.checkpoint_kind
     if config["kind"] != kind:
         raise CheckpointError(f"drafter.init_from '{directory}' holds a {config['kind']} drafter; this recipe trains "
                               f"a {drafter.kind}")

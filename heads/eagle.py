@@ -19,10 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .contract import DrafterBase
+from .draft_vocab import add_draft_vocabulary, set_draft_map
 from .drafter import DraftContext, StepOutput, divide, term_denominators
 from .dynamic_tree import TreeSettings
 from .eagle_decoding import EagleDecoding
-from .eagle_layer import DraftLayer, Rotary, layer_shape_from_target
+from .eagle_layer import layer_layout, DraftLayer, Rotary, layer_shape_from_target
 from .target import Target
 
 
@@ -48,7 +50,7 @@ class EagleConfig:
         TreeSettings(**self.tree)
 
 
-class Eagle(EagleDecoding, nn.Module):
+class Eagle(EagleDecoding, DrafterBase):
     kind = "eagle"
     config_class = EagleConfig
 
@@ -59,16 +61,26 @@ class Eagle(EagleDecoding, nn.Module):
         self.target_identity = target.identity
         shape = layer_shape_from_target(target)
         self.shape = shape
-        vocab = config.draft_vocab_size or target.vocab_size
-        if vocab > target.vocab_size:
-            raise ValueError(f"draft_vocab_size={vocab} is larger than the target's vocabulary ({target.vocab_size})")
+        self._head = None                          # the target's head rows for the draft vocabulary, cached
+        add_draft_vocabulary(self, config.draft_vocab_size or target.vocab_size, target.vocab_size)
         self.fc = nn.Linear(2 * shape.hidden_size, shape.hidden_size, bias=False)
         self.layer = DraftLayer(shape, fused=False)
         self.rotary = Rotary(shape)
-        self.register_buffer("draft_to_target", torch.arange(vocab))
         self.tree = TreeSettings(**config.tree)
         self.metadata: dict = {}
-        self._head = None
+
+    @staticmethod
+    def parameter_layout(config: dict) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every saved tensor, from a checkpoint's config.json alone."""
+        shape, d = config["architecture"], config["target"]["hidden_size"]
+        return {"fc.weight": (d, 2 * d), "draft_to_target": (shape["draft_vocab_size"],),
+                **layer_layout(shape, fused=False, prefix="layer.")}
+
+    def architecture(self) -> dict:
+        """The draft layer's shape, so that a checkpoint's layout is known without the target."""
+        from dataclasses import asdict
+
+        return {**asdict(self.shape), "draft_vocab_size": int(self.draft_to_target.numel())}
 
     @property
     def required_layers(self) -> tuple[int, ...]:
@@ -79,11 +91,9 @@ class Eagle(EagleDecoding, nn.Module):
         return 1
 
     def set_draft_vocabulary(self, draft_to_target: torch.Tensor) -> None:
-        self.draft_to_target.copy_(draft_to_target.to(self.draft_to_target.device))
-        self._head = None
+        set_draft_map(self, draft_to_target)
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
+    def vocabulary_changed(self) -> None:
         self._head = None
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .contract import DrafterBase
+from .draft_vocab import add_draft_vocabulary, set_draft_map
 from .drafter import DraftContext, StepOutput, divide, term_denominators
 from .dynamic_tree import TreeSettings
 from .eagle_decoding import EagleDecoding
-from .eagle_layer import DraftLayer, RMSNorm, Rotary, layer_shape_from_target
+from .eagle_layer import layer_layout, DraftLayer, RMSNorm, Rotary, layer_shape_from_target
 from .target import Target
 
 
@@ -73,7 +75,7 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
 
 
-class Eagle3(EagleDecoding, nn.Module):
+class Eagle3(EagleDecoding, DrafterBase):
     kind = "eagle3"
     config_class = Eagle3Config
 
@@ -86,15 +88,12 @@ class Eagle3(EagleDecoding, nn.Module):
                                                 "drafter.layer_ids")
         shape = layer_shape_from_target(target, intermediate_size=config.intermediate_size)
         self.shape = shape
-        vocab = min(config.draft_vocab_size or target.vocab_size, target.vocab_size)
-        if config.draft_vocab_size and config.draft_vocab_size > target.vocab_size:
-            raise ValueError(f"draft_vocab_size={config.draft_vocab_size} is larger than the target's vocabulary "
-                             f"({target.vocab_size}); use at most {target.vocab_size}")
+        add_draft_vocabulary(self, config.draft_vocab_size or target.vocab_size, target.vocab_size)
+        vocab = self.draft_to_target.numel()
         self.fc = nn.Linear(3 * target.hidden_size, shape.hidden_size, bias=False)
         self.midlayer = DraftLayer(shape, fused=True)
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.lm_head = nn.Linear(shape.hidden_size, vocab, bias=False)
-        self.register_buffer("draft_to_target", torch.arange(vocab))
         self.rotary = Rotary(shape)
         self.tree = TreeSettings(**config.tree)
         self.metadata: dict = {}
@@ -105,6 +104,17 @@ class Eagle3(EagleDecoding, nn.Module):
     @property
     def required_layers(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.layer_ids) | {self.target.num_layers}))
+
+    @staticmethod
+    def parameter_layout(config: dict) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every saved tensor, from a checkpoint's config.json alone."""
+        shape, d = config["architecture"], config["target"]["hidden_size"]
+        H, draft = shape["hidden_size"], shape["draft_vocab_size"]
+        return {"fc.weight": (H, 3 * d), "norm.weight": (H,), "lm_head.weight": (draft, H),
+                "draft_to_target": (draft,), **layer_layout(shape, fused=True, prefix="midlayer.")}
+
+    def fused_layer_ids(self) -> list[int]:
+        return list(self.layer_ids)
 
     def architecture(self) -> dict:
         """What an export needs to describe this drafter without the target at hand."""
@@ -121,24 +131,9 @@ class Eagle3(EagleDecoding, nn.Module):
 
     def set_draft_vocabulary(self, draft_to_target: torch.Tensor) -> None:
         """Scored tokens (ascending target ids); the lm_head restarts from the target's rows for them."""
-        self.draft_to_target.copy_(draft_to_target.to(self.draft_to_target.device))
-        self._refresh_vocabulary_map()
+        set_draft_map(self, draft_to_target)
         rows = self.target.lm_head.weight.detach()[self.draft_to_target.to(self.target.device)]
         self.lm_head.weight.data.copy_(rows.float().to(self.lm_head.weight.device))
-
-    def _refresh_vocabulary_map(self) -> None:
-        target_to_draft = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
-        target_to_draft[self.draft_to_target.cpu()] = torch.arange(self.draft_to_target.numel())
-        self._target_to_draft = target_to_draft.to(self.draft_to_target.device)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
-        self._refresh_vocabulary_map()
-
-    def _apply(self, fn, *args, **kwargs):
-        result = super()._apply(fn, *args, **kwargs)
-        self._refresh_vocabulary_map()
-        return result
 
     def _init_from_target(self) -> None:
         """Copy the target's last layer where shapes match (q/k/v read 2H here, so only their
@@ -187,7 +182,7 @@ class Eagle3(EagleDecoding, nn.Module):
         probs, ok = [], []
         for chunk in final[wanted].split(1024):
             logits = self.target.compute_logits(chunk).float()                    # [c, V]
-            ok.append(self._target_to_draft[logits.argmax(-1)] >= 0)
+            ok.append(self.target_to_draft[logits.argmax(-1)] >= 0)
             probs.append(torch.softmax(logits[:, self.draft_to_target], dim=-1))
         empty = final.new_zeros(0, self.draft_to_target.numel(), dtype=torch.float32)
         return TargetDistribution(index, torch.cat(probs) if probs else empty,

@@ -165,6 +165,21 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def layer_layout(shape: dict, fused: bool, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The tensors of one DraftLayer (names under `prefix`, shapes) from its shape fields: the one place
+    its layout is written down for checkpoints, exports and imports (tests compare it with the module)."""
+    H, I, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q, kv = shape["num_heads"] * d, shape["num_kv_heads"] * d
+    width = 2 * H if fused else H
+    names = {"self_attn.q_proj.weight": (q, width), "self_attn.k_proj.weight": (kv, width),
+             "self_attn.v_proj.weight": (kv, width), "self_attn.o_proj.weight": (H, q),
+             "post_attention_layernorm.weight": (H,),
+             "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)}
+    if fused:
+        names |= {"hidden_norm.weight": (H,), "input_layernorm.weight": (H,)}
+    return {prefix + name: size for name, size in names.items()}
+
+
 class DraftLayer(nn.Module):
     """fused=True: EAGLE-3's layer (attention over cat(norm(emb), norm(h))); False: EAGLE-1's (over h)."""
 

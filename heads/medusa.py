@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .contract import DrafterBase
+from .draft_vocab import add_draft_vocabulary, set_draft_map
 from .drafter import DraftContext, StepOutput, divide, term_denominators
 from .target import Target
 from .tree import DraftTree, TreeShape
@@ -80,8 +82,9 @@ class ResidualBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-class Medusa(nn.Module):
+class Medusa(DrafterBase):
     kind = "medusa"
+    static_tree = True            # decodes with fixed trees (default_tree), calibrated in training
     config_class = MedusaConfig
 
     def __init__(self, config: MedusaConfig, target: Target):
@@ -95,21 +98,35 @@ class Medusa(nn.Module):
         argmax over its whole vocabulary at every position (the data's token is the exact one; the cached
         bf16 features can flip a near-tie)."""
         d = target.hidden_size
-        vocab = config.draft_vocab_size or target.vocab_size
-        if vocab > target.vocab_size:
-            raise ValueError(f"draft_vocab_size={vocab} is larger than the target's vocabulary ({target.vocab_size})")
+        self._shared_weight = None                 # caches built from the draft vocabulary (vocabulary_changed)
+        self.__dict__["_packed_head"] = None       # outside the module tree: never in the state dict
+        add_draft_vocabulary(self, config.draft_vocab_size or target.vocab_size, target.vocab_size)
+        vocab = self.draft_to_target.numel()
         self.blocks = nn.ModuleList(
             nn.Sequential(*[ResidualBlock(d) for _ in range(config.num_layers)]) for _ in range(config.num_heads))
         offsets = {"none": 0, "root": 1, "path": config.num_heads}[config.conditioning]
         self.token_proj = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(offsets))
         for proj in self.token_proj:
             nn.init.zeros_(proj.weight)               # starts as plain Medusa
-        self.register_buffer("draft_to_target", torch.arange(vocab))
         if config.lm_head == "own":
             self.lm_heads = nn.ModuleList(nn.Linear(d, vocab, bias=False) for _ in range(config.num_heads))
         self.set_draft_vocabulary(self.draft_to_target)
         self.tree = TreeShape.chain(config.num_heads)
         self.metadata: dict = {}
+
+    @staticmethod
+    def parameter_layout(config: dict) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every saved tensor, from a checkpoint's config.json alone."""
+        arch, d = config["drafter"], config["target"]["hidden_size"]
+        heads, draft = arch["num_heads"], arch.get("draft_vocab_size") or config["target"]["vocab_size"]
+        layout: dict[str, tuple[int, ...]] = {"draft_to_target": (draft,)}
+        for h in range(heads):
+            for l in range(arch["num_layers"]):
+                layout |= {f"blocks.{h}.{l}.linear.weight": (d, d), f"blocks.{h}.{l}.linear.bias": (d,)}
+            if arch["lm_head"] == "own":
+                layout[f"lm_heads.{h}.weight"] = (draft, d)
+        offsets = {"root": 1, "path": heads}.get(arch.get("conditioning", "none"), 0)
+        return layout | {f"token_proj.{j}.weight": (d, d) for j in range(offsets)}
 
     @property
     def required_layers(self) -> tuple[int, ...]:
@@ -124,28 +141,15 @@ class Medusa(nn.Module):
 
     def set_draft_vocabulary(self, draft_to_target: torch.Tensor) -> None:
         """Choose the scored tokens (ascending target ids); own heads restart from the target's rows."""
-        self.draft_to_target.copy_(draft_to_target.to(self.draft_to_target.device))
-        self._refresh_vocabulary_map()
+        set_draft_map(self, draft_to_target)
         if self.config.lm_head == "own":
             rows = self.target.lm_head.weight.detach()[self.draft_to_target].float()
             for head in self.lm_heads:
                 head.weight.data.copy_(rows)
 
-    def _refresh_vocabulary_map(self) -> None:
-        target_to_draft = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
-        target_to_draft[self.draft_to_target.cpu()] = torch.arange(self.draft_to_target.numel())
-        self._target_to_draft = target_to_draft.to(self.draft_to_target.device)
+    def vocabulary_changed(self) -> None:
         self._shared_weight = None
-        self.__dict__["_packed_head"] = None     # a cache, outside the module tree: never in the state dict
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
-        self._refresh_vocabulary_map()
-
-    def _apply(self, fn, *args, **kwargs):   # .to(device) moves the derived map along
-        result = super()._apply(fn, *args, **kwargs)
-        self._refresh_vocabulary_map()
-        return result
+        self.__dict__["_packed_head"] = None
 
     def _projection(self, head: int) -> torch.Tensor:
         """Vocabulary projection of head `head`: [v, d]."""
@@ -255,7 +259,7 @@ class Medusa(nn.Module):
         denominators = term_denominators(batch, counted)                         # [k] the step's, in training
         for k in range(k_heads):
             labels = next_tokens[:, 1 + k: 1 + k + span][selected]             # target ids, [m]
-            draft_labels = self._target_to_draft[labels]
+            draft_labels = self.target_to_draft[labels]
             scored = valid_for(k) & (draft_labels >= 0)
             head_logits = logits[k].float()
             # computed even when nothing is scored: the loss stays connected to every weight (a process
@@ -285,7 +289,7 @@ class Medusa(nn.Module):
         hits = torch.zeros(k_heads, ranked.shape[-1])
         counted = torch.zeros(k_heads)
         for k in range(k_heads):
-            labels = self._target_to_draft[next_tokens[:, 1 + k: 1 + k + s - 2][selected]]
+            labels = self.target_to_draft[next_tokens[:, 1 + k: 1 + k + s - 2][selected]]
             valid = label_mask[:, 2 + k: 2 + k + s - 2][selected]
             hits[k] = ((ranked[k] == labels[:, None]) & valid[:, None]).sum(0).float().cpu()
             counted[k] = valid.sum().float().cpu()

@@ -240,7 +240,7 @@ class Target:
         """How this target is prompted (target.chat_template, chat_template_kwargs, stop_tokens): on its
         tokenizer, which every verb renders through, and in its end-of-turn ids.  `self.chat` is what a
         checkpoint and the data fingerprint record (None: the model's own template and EOS)."""
-        from draftsmith.data.chat import apply_chat_settings
+        from .prompt_format import apply_chat_settings
 
         chat = {k: v for k, v in (chat or {}).items() if v not in (None, {}, [], ())}
         apply_chat_settings(self.tokenizer, chat.get("template"), chat.get("kwargs"))

@@ -51,7 +51,7 @@ def grow_data(args, mode: str, minutes: float, state: dict) -> None:
 def train_and_eval(args, mode: str, budget: float, state: dict) -> dict:
     """Copy the mode's data as it stands, train on it for the rest of the budget, evaluate."""
     from draftsmith.eval.benchmark import evaluate
-    from draftsmith.eval.settings import EvalSettings
+    from draftsmith.heads.decode_settings import EvalSettings
     from draftsmith.train.loop import fit
 
     out = args.work / mode / f"B{budget:g}"

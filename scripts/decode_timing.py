@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from draftsmith.eval.benchmark import _time_generate
 from draftsmith.eval.proposal import block_cost
-from draftsmith.eval.verifier import decode
+from draftsmith.heads.verifier import decode
 from draftsmith.heads.device import resolve_device, synchronize
 from draftsmith.heads.target import Target
 

@@ -16,8 +16,13 @@ import sys
 import time
 from pathlib import Path
 
+# stdlib-only helpers beside the bench worker: from the checkout this script sits in, else from the
+# draftsmith installed in the vLLM environment (a wheel install has no eval/ beside scripts/)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
-from vllm_worker import counter_delta, spec_counters  # noqa: E402  (stdlib-only helpers beside the bench worker)
+try:
+    from vllm_worker import counter_delta, engine_options, spec_counters
+except ImportError:
+    from draftsmith.eval.vllm_worker import counter_delta, engine_options, spec_counters
 
 
 def main():
@@ -34,6 +39,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=1, help="timed passes over the prompts")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    options = engine_options()                # DRAFTSMITH_VLLM_IN_PROCESS=1: no engine processes (tests)
 
     from vllm import LLM, SamplingParams
 
@@ -43,7 +49,8 @@ def main():
         speculative = {"method": args.method, "model": args.drafter,
                        "num_speculative_tokens": args.num_speculative_tokens}
     llm = LLM(model=args.target, dtype=args.dtype, speculative_config=speculative, disable_log_stats=False,
-              max_model_len=1024, enforce_eager=True, max_num_seqs=max(args.batch, 1), seed=0)
+              max_model_len=1024, enforce_eager=True, max_num_seqs=max(args.batch, 1), seed=0,
+              **options)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     requests = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)   # warm-up
@@ -62,7 +69,6 @@ def main():
     delta = counter_delta(before, spec_counters(llm))
     json.dump({"tokens": tokens, "seconds": seconds, "generated": sum(map(len, tokens)) * args.repeat,
                "metrics": delta}, open(args.out, "w"))
-
 
 if __name__ == "__main__":
     main()

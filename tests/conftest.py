@@ -6,6 +6,7 @@ Hugging Face directory.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -87,7 +88,7 @@ def tiny_target(tiny_target_dir):
 
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
-    """Self-distilled data on SmolLM2-135M, then 45 s of training each for an EAGLE-3, a Medusa and a
+    """Self-distilled data on SmolLM2-135M, then 30 s of training each for an EAGLE-3, a Medusa and a
     Medusa-2 drafter.  Medusa scores the full vocabulary (vLLM 0.32 cannot load a Medusa token_map)."""
     from draftsmith.train.loop import fit
     from draftsmith.train.settings import recipe_from_dict
@@ -96,7 +97,7 @@ def default_run(tmp_path_factory):
     common = {
         "output_dir": str(out), "seed": 0, "target": {"path": "smollm2-135m"},
         "data": {"max_conversations": 64, "batch_size": 32, "max_new_tokens": 96, "max_prompt_tokens": 128},
-        "train": {"batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "epochs": 20, "max_minutes": 0.75,
+        "train": {"batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "epochs": 20, "max_minutes": 0.5,
                   "save_every": 1000, "heldout_fraction": 0.1},
     }
     runs = {}
@@ -136,3 +137,171 @@ def kill_at_step(proc, checkpoint: Path, step: int, group: bool = False, timeout
         proc.send_signal(signal.SIGKILL)
     proc.wait()
     return json.loads(progress.read_text())
+
+
+# -- helpers shared by several test files --------------------------------------------------------------
+
+LORA_MODULES = ["q_proj", "v_proj", "down_proj"]     # what save_lora adapts
+
+@pytest.fixture(scope="session")
+def checkpoint(tiny_target_dir, tmp_path_factory):
+    """A tiny Medusa checkpoint trained once, shared by the bench tests (read-only for them)."""
+    import yaml
+    from draftsmith.cli import main
+
+    work = tmp_path_factory.mktemp("bench")
+    recipe = {
+        "method": "medusa", "output_dir": str(work / "run"), "seed": 0,
+        "target": {"path": str(tiny_target_dir), "dtype": "float32", "device": "cpu"},
+        "data": {"source": str(chats_file(work / "chats.jsonl", 24)), "max_conversations": None, "batch_size": 8,
+                 "max_new_tokens": 12},
+        "drafter": {"num_heads": 2, "lm_head": "shared", "draft_vocab_size": 64},
+        "train": {"epochs": 1, "batch_size": 4, "warmup_steps": 1, "mixed_precision": "no", "eval_prompts": 0,
+                  "heldout_fraction": 0.2},
+    }
+    path = work / "recipe.yaml"
+    path.write_text("# draftsmith train recipe.yaml\n" + yaml.safe_dump(recipe))
+    assert main(["train", str(path)]) == 0
+    return work / "run" / "checkpoint"
+
+
+def tiny_recipe(tmp_path, target_dir, **train):
+    return {
+        "method": "medusa", "output_dir": str(tmp_path / "run"), "seed": 0,
+        "target": {"path": str(target_dir), "dtype": "float32"},
+        "data": {"source": str(chats_file(tmp_path / "chats.jsonl", 40)), "max_conversations": None,
+                 "batch_size": 8, "max_new_tokens": 24},
+        "drafter": {"num_heads": 3, "lm_head": "own", "draft_vocab_size": 64},
+        "train": {"epochs": 2, "batch_size": 4, "lr": 1e-2, "warmup_steps": 2, "log_every": 2, "save_every": 3,
+                  "mixed_precision": "no", "heldout_fraction": 0.2, **train},
+    }
+
+
+def chats_file(path: Path, count: int) -> Path:
+    words = ["the", "time", "is", "one", "of", "the", "day", "and", "the", "night", "of", "water"]
+    rows = []
+    for i in range(count):
+        prompt = " ".join(words[(i + j) % len(words)] for j in range(3 + i % 5))
+        rows.append({"id": f"c{i}", "messages": [{"role": "user", "content": prompt}]})
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def prompts(target, count=4, length=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(6, target.vocab_size, (length,), generator=g).tolist() for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def small_vocab_target(tmp_path_factory):
+    from draftsmith.heads.target import Target
+
+    directory = build_tiny_target(tmp_path_factory.mktemp("tiny-vocab"), seed=3, vocab_size=12, sharpen=1.5)
+    return Target.load(str(directory), "float32")
+
+
+def exact_two_token_distribution(target, prompt, temperature):
+    """P(x1, x2 | prompt) by enumeration: [v, v]."""
+    from draftsmith.heads.sampling import probabilities
+
+    v = target.vocab_size
+    with torch.no_grad():
+        p1 = probabilities(target.model(input_ids=torch.tensor([prompt])).logits[0, -1], temperature)
+        batch = torch.tensor([prompt + [x] for x in range(v)])
+        p2 = probabilities(target.model(input_ids=batch).logits[:, -1], temperature)
+    return p1[:, None] * p2
+
+
+def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson's test, cells with expected count < 5 pooled; p from the regularized upper incomplete gamma."""
+    n = counts.sum()
+    expected = expected_probs.flatten() * n
+    counts = counts.flatten().double()
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]]).double()
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), stat / 2))
+
+
+class RandomDrafter:  # noqa: D101 - a Proposer (heads/contract.py)
+    """Proposes from a fixed, wrong distribution q: as a chain of i.i.d. samples with q attached (classic rule),
+    or as a top-k tree (point-mass rule)."""
+
+    required_layers = ()
+
+    def __init__(self, vocab, shape, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.q = torch.softmax(torch.randn(vocab, generator=g) * 2, -1)
+        self.shape = shape
+        self.g = torch.Generator().manual_seed(seed + 1)
+
+    def reset(self):
+        pass
+
+    def observe(self, path):
+        pass
+
+    def propose(self, context):
+        from draftsmith.heads.tree import DraftTree
+
+        if self.shape == "chain":
+            tokens = torch.multinomial(self.q, 2, replacement=True, generator=self.g)
+            return DraftTree(tokens=tokens, parents=torch.tensor([-1, 0]), draft_probs=self.q.expand(2, -1))
+        top = self.q.topk(3).indices              # 3 candidates at depth 1, 2 under the first
+        return DraftTree(tokens=torch.cat([top, top[:2]]), parents=torch.tensor([-1, -1, -1, 0, 0]))
+
+
+def sample_pairs(target, drafter, prompt, runs, temperature, rule="auto"):
+    """Counts [v, v] of the first two tokens of `runs` speculative decodes (end to end, through the model)."""
+    from draftsmith.heads.verifier import decode
+
+    v = target.vocab_size
+    counts = torch.zeros(v, v)
+    g = torch.Generator().manual_seed(1234)
+    for _ in range(runs):
+        out = decode(target, prompt, 2, drafter=drafter, temperature=temperature, rule=rule, generator=g)
+        counts[out.tokens[0], out.tokens[1]] += 1
+    return counts
+
+
+def medusa_checkpoint(target, directory, **config):
+    from draftsmith.heads.drafter import save_drafter
+    from draftsmith.heads.medusa import Medusa, MedusaConfig
+
+    torch.manual_seed(0)
+    drafter = Medusa(MedusaConfig(**config), target)
+    for block in drafter.blocks:
+        torch.nn.init.normal_(block[0].linear.weight, std=0.3)
+    if config.get("draft_vocab_size"):
+        drafter.set_draft_vocabulary(torch.arange(5, 5 + config["draft_vocab_size"]))
+    save_drafter(drafter, directory)
+    return drafter
+
+
+def eagle3_checkpoint(target, directory, layer_ids=(1, 1, 2)):
+    from draftsmith.heads.drafter import save_drafter
+    from draftsmith.heads.eagle3 import Eagle3, Eagle3Config
+
+    torch.manual_seed(0)
+    drafter = Eagle3(Eagle3Config(layer_ids=list(layer_ids), draft_vocab_size=40), target)
+    drafter.set_draft_vocabulary(torch.arange(40) * 3)
+    save_drafter(drafter, directory)
+    return drafter
+
+
+def save_lora(model, out: Path, seed: int = 0, **config) -> Path:
+    """A random LoRA adapter (B not zero, so it changes the model) in peft's own format."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    settings = {"r": 4, "lora_alpha": 8, "target_modules": LORA_MODULES, "init_lora_weights": False} | config
+    peft_model = get_peft_model(model, LoraConfig(**settings))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    peft_model.save_pretrained(out)
+    return out

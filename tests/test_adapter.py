@@ -5,30 +5,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config, make_tokenizer
+from conftest import make_config, make_tokenizer, save_lora, tiny_recipe
 from draftsmith.heads.adapter import Adapter, AdapterError
 from draftsmith.heads.drafter import checkpoint_target, load_drafter
 from draftsmith.heads.target import Target, TargetError
 from draftsmith.train.loop import fit
 from draftsmith.train.settings import RecipeError, recipe_from_dict
-from test_train import tiny_recipe
 
-LORA_MODULES = ["q_proj", "v_proj", "down_proj"]
-
-
-def save_lora(model, out: Path, seed: int = 0, **config) -> Path:
-    """A random LoRA adapter (B not zero, so it changes the model) in peft's own format."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    settings = {"r": 4, "lora_alpha": 8, "target_modules": LORA_MODULES, "init_lora_weights": False} | config
-    peft_model = get_peft_model(model, LoraConfig(**settings))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    peft_model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +40,7 @@ def test_an_adapter_changes_the_target_and_is_part_of_its_identity(tiny_target_d
 
 
 def test_training_on_an_adapted_target_records_it_and_the_bare_base_is_refused(tiny_target_dir, lora_dir, tmp_path):
-    from draftsmith.eval.verifier import decode
+    from draftsmith.heads.verifier import decode
 
     spec = tiny_recipe(tmp_path, tiny_target_dir, epochs=2)
     spec["target"]["adapter"] = str(lora_dir)
@@ -108,7 +91,7 @@ def test_bad_adapters_are_named(tiny_target_dir, tmp_path):
 
 def test_export_of_a_drafter_for_an_adapted_target_says_how_to_serve_it(tiny_target_dir, lora_dir, tmp_path):
     from draftsmith.heads.drafter import save_drafter
-    from draftsmith.heads.export import export
+    from draftsmith.export import export
     from draftsmith.heads.medusa import Medusa, MedusaConfig
 
     target = Target.load(str(tiny_target_dir), "float32", adapter=lora_dir)
@@ -124,7 +107,7 @@ def test_export_of_a_drafter_for_an_adapted_target_says_how_to_serve_it(tiny_tar
 
 def test_export_with_target_writes_the_merged_model(tiny_target_dir, lora_dir, tmp_path):
     from draftsmith.heads.drafter import save_drafter
-    from draftsmith.heads.export import export
+    from draftsmith.export import export
     from draftsmith.heads.medusa import Medusa, MedusaConfig
 
     adapted = Target.load(str(tiny_target_dir), "float32", adapter=lora_dir)

@@ -3,28 +3,8 @@ whose answer is known, bad input, and Ctrl-C keeping what was measured."""
 import json
 
 import pytest
-import yaml
 from draftsmith.cli import main
 from draftsmith.eval.bench import Run, pooled_speedup, summarize_group, verdict
-from test_data import chats_file
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tiny_target_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("bench")
-    recipe = {
-        "method": "medusa", "output_dir": str(work / "run"), "seed": 0,
-        "target": {"path": str(tiny_target_dir), "dtype": "float32", "device": "cpu"},
-        "data": {"source": str(chats_file(work / "chats.jsonl", 24)), "max_conversations": None, "batch_size": 8,
-                 "max_new_tokens": 12},
-        "drafter": {"num_heads": 2, "lm_head": "shared", "draft_vocab_size": 64},
-        "train": {"epochs": 1, "batch_size": 4, "warmup_steps": 1, "mixed_precision": "no", "eval_prompts": 0,
-                  "heldout_fraction": 0.2},
-    }
-    path = work / "recipe.yaml"
-    path.write_text("# draftsmith train recipe.yaml\n" + yaml.safe_dump(recipe))
-    assert main(["train", str(path)]) == 0
-    return work / "run" / "checkpoint"
 
 
 def traffic_file(path):
@@ -129,7 +109,7 @@ def test_bad_traffic_is_named(checkpoint, tmp_path, capsys):
 
 
 def test_ctrl_c_writes_what_was_measured_marked_incomplete(checkpoint, tmp_path, monkeypatch, capsys):
-    from draftsmith.eval import verifier
+    from draftsmith.heads import verifier
     calls = {"n": 0}
     original = verifier.decode
 

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from draftsmith.cli import main
 from draftsmith.eval.bench_endpoint import base_url, spec_counters
-from test_bench import checkpoint  # noqa: F401  (the module-scoped tiny Medusa checkpoint)
+
 
 TOKEN_SECONDS = {"plain": 0.006, "speculative": 0.002}
 DRAFTS, ACCEPTED, PER_POSITION = 10, 5, [3, 2, 0]     # added per request by the speculative server

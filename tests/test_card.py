@@ -8,7 +8,7 @@ import yaml
 from draftsmith.cli import main
 from draftsmith.train.loop import fit
 from draftsmith.train.settings import recipe_from_dict
-from test_train import tiny_recipe
+from conftest import tiny_recipe
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_push_uploads_the_checkpoint_without_its_resume_state_plus_the_exports(t
 
 def test_from_pretrained_loads_a_directory_and_names_what_it_cannot_fetch(trained, monkeypatch):
     import huggingface_hub
-    from draftsmith.heads.card import Drafter
+    from draftsmith.export.card import Drafter
     from draftsmith.heads.drafter import load_drafter
     from draftsmith.heads.target import Target
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tokenizer
+from conftest import chats_file, make_tokenizer
 from draftsmith.data import sources
 from draftsmith.data.chat import tokenize_chat
 from draftsmith.data.distill import DataSettings, make_data
@@ -91,16 +91,6 @@ def test_draft_vocabulary_round_trip():
         draft_vocabulary(counts, 9)
 
 
-def chats_file(path: Path, count: int) -> Path:
-    words = ["the", "time", "is", "one", "of", "the", "day", "and", "the", "night", "of", "water"]
-    rows = []
-    for i in range(count):
-        prompt = " ".join(words[(i + j) % len(words)] for j in range(3 + i % 5))
-        rows.append({"id": f"c{i}", "messages": [{"role": "user", "content": prompt}]})
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    return path
-
-
 def test_make_data_writes_ids_and_features_and_refuses_other_settings(tiny_target, tmp_path):
     import datasets
     from draftsmith.data import features as feature_cache
@@ -115,7 +105,7 @@ def test_make_data_writes_ids_and_features_and_refuses_other_settings(tiny_targe
     assert table.num_rows == 6 and set(table.column_names) >= {"input_ids", "loss_mask", "shard", "row"}
     records = [r for shard in shard_paths(tmp_path / "data") for r in read_shard(shard)]
     for record in records:      # the reply is exactly what the target generated: plain greedy decoding
-        from draftsmith.eval.verifier import decode
+        from draftsmith.heads.verifier import decode
         prompt_len = record["loss_mask"].index(1)
         reply = decode(tiny_target, record["input_ids"][:prompt_len], 12).tokens
         assert record["input_ids"][prompt_len:] == reply
@@ -276,7 +266,7 @@ def test_data_generation_killed_and_restarted_loses_and_duplicates_nothing(tiny_
     source = (chats_file if mode == "regenerate" else dialogues_file)(tmp_path / "chats.jsonl", 60)
     script = tmp_path / "make.py"
     script.write_text(DATA_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ)
     run = [sys.executable, str(script), str(tiny_target_dir), str(source)]
 
     subprocess.run(run + [str(tmp_path / "whole"), mode], check=True, env=env, timeout=600)
@@ -334,7 +324,7 @@ def test_continuous_batching_gives_one_by_one_greedy_output_and_features(tiny_ta
 
     from draftsmith.data.generate import generate_batch
     from draftsmith.data.stream import generate_stream
-    from draftsmith.eval.verifier import decode
+    from draftsmith.heads.verifier import decode
 
     words = "the time is one of the day and the night of water fish sea".split()
     prompts = [tiny_target.tokenizer(" ".join(words[i % 7: i % 7 + 2 + (i * 5) % 9]))["input_ids"] for i in range(11)]

@@ -12,7 +12,7 @@ from draftsmith.cli import main
 from draftsmith.heads.device import DeviceError, available_devices, resolve_device
 from draftsmith.heads.target import Target
 from draftsmith.train.settings import RecipeError, recipe_from_dict
-from test_data import chats_file
+from conftest import chats_file
 
 MISSING = object()
 
@@ -110,7 +110,7 @@ def test_a_device_map_naming_a_missing_device_lists_the_devices_there_are(monkey
 def test_a_target_loaded_with_a_device_map_decodes_and_extracts_as_without(tiny_target_dir):
     """transformers' big-model loading (device_map=auto puts everything on the CPU here): the same
     greedy tokens and the same hidden states as the plain load."""
-    from draftsmith.eval.verifier import decode
+    from draftsmith.heads.verifier import decode
 
     plain = Target.load(str(tiny_target_dir), "float32", "cpu")
     mapped = Target.load(str(tiny_target_dir), "float32", "cpu", device_map="auto")

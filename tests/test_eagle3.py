@@ -1,13 +1,12 @@
 """EAGLE-3: the training-time-test attention, the draft vocabulary, exact decoding with chains and dynamic trees."""
 import pytest
 import torch
-from conftest import build_tiny_target
-from draftsmith.eval.verifier import decode
+from conftest import build_tiny_target, prompts
+from draftsmith.heads.verifier import decode
 from draftsmith.heads.dynamic_tree import TreeSettings
 from draftsmith.heads.eagle3 import Eagle3, Eagle3Config
 from draftsmith.heads.eagle_layer import ttt_mask
 from draftsmith.heads.target import Target, TargetError
-from test_verifier import prompts
 
 
 def test_ttt_mask_element_by_element():

@@ -3,35 +3,12 @@ import json
 
 import pytest
 import torch
-from conftest import build_tiny_target
-from draftsmith.eval.verifier import decode
-from draftsmith.heads.drafter import CheckpointError, save_drafter
-from draftsmith.heads.eagle3 import Eagle3, Eagle3Config
-from draftsmith.heads.export import ExportError, export
-from draftsmith.heads.export_formats import import_medusa_original
-from draftsmith.heads.medusa import Medusa, MedusaConfig
+from conftest import build_tiny_target, eagle3_checkpoint, medusa_checkpoint, prompts
+from draftsmith.heads.verifier import decode
+from draftsmith.heads.drafter import CheckpointError
+from draftsmith.export import ExportError, export, import_drafter
 from draftsmith.heads.target import TargetError
 from safetensors.torch import load_file, save_file
-from test_verifier import prompts
-
-
-def medusa_checkpoint(target, directory, **config):
-    torch.manual_seed(0)
-    drafter = Medusa(MedusaConfig(**config), target)
-    for block in drafter.blocks:
-        torch.nn.init.normal_(block[0].linear.weight, std=0.3)
-    if config.get("draft_vocab_size"):
-        drafter.set_draft_vocabulary(torch.arange(5, 5 + config["draft_vocab_size"]))
-    save_drafter(drafter, directory)
-    return drafter
-
-
-def eagle3_checkpoint(target, directory, layer_ids=(1, 1, 2)):
-    torch.manual_seed(0)
-    drafter = Eagle3(Eagle3Config(layer_ids=list(layer_ids), draft_vocab_size=40), target)
-    drafter.set_draft_vocabulary(torch.arange(40) * 3)
-    save_drafter(drafter, directory)
-    return drafter
 
 
 def test_medusa_shared_head_with_draft_vocabulary_to_vllm(tiny_target, tmp_path):
@@ -54,7 +31,7 @@ def test_medusa_original_round_trip_reproduces_tau(tiny_target, tmp_path):
     out = export(tmp_path / "ckpt", "medusa-original", tmp_path / "orig", dtype="float32")
     assert json.loads((out / "config.json").read_text())["medusa_num_heads"] == 3
     assert "0.1.weight" in load_file(str(out / "medusa_lm_head.safetensors"))
-    reloaded = import_medusa_original(out, tiny_target)
+    reloaded = import_drafter(out, "medusa-original", tiny_target)
     for d in (drafter, reloaded):
         d.set_proposal(chain=3)
     for prompt in prompts(tiny_target, count=3):
@@ -167,7 +144,7 @@ def test_export_then_import_gives_the_same_weights_and_the_same_decoding(tiny_ta
 
 
 def test_import_refuses_maps_that_disagree_and_another_target(tiny_target, tiny_target_dir, tmp_path):
-    from draftsmith.heads.importer import ImportError_, import_drafter
+    from draftsmith.export.importers import ImportError_, import_drafter
 
     eagle3_checkpoint(tiny_target, tmp_path / "ckpt")
     out = export(tmp_path / "ckpt", "vllm", tmp_path / "export", dtype="float32")
@@ -191,7 +168,7 @@ def test_a_recipe_warm_starts_from_an_imported_checkpoint(tiny_target_dir, tmp_p
     from draftsmith.heads.drafter import CheckpointError
     from draftsmith.train.loop import fit
     from draftsmith.train.settings import recipe_from_dict
-    from test_train import tiny_recipe
+    from conftest import tiny_recipe
 
     raw = tiny_recipe(tmp_path, tiny_target_dir, epochs=1, eval_prompts=0, lr=0.0, warmup_steps=0)
     first = fit(recipe_from_dict(raw), progress=False)
@@ -209,3 +186,37 @@ def test_a_recipe_warm_starts_from_an_imported_checkpoint(tiny_target_dir, tmp_p
     shutil.copytree(tmp_path / "run" / "data", tmp_path / "bad" / "data")
     with pytest.raises(CheckpointError, match=r"does not fit this recipe's drafter"):
         fit(recipe_from_dict(raw2), progress=False)
+
+
+def test_eagle_repository_layout_imports_with_its_fixed_layers(tiny_target, tiny_target_dir, tmp_path):
+    """`--from eagle`: the EAGLE repository's EAGLE-3 layout (its tensors plus the target's embedding,
+    no layer ids in config.json: that code always fuses hidden_states at (2, N//2, N-3)) imports with
+    those layers and identical weights; a foreign embedding and pickled-only weights are refused."""
+    from draftsmith.export import ImportError_
+    from draftsmith.heads.eagle3 import default_layer_ids
+
+    ids = default_layer_ids(tiny_target.num_layers)
+    original = eagle3_checkpoint(tiny_target, tmp_path / "ckpt", layer_ids=ids)
+    out = export(tmp_path / "ckpt", "vllm", tmp_path / "vllm", dtype="float32")
+    repo = tmp_path / "eagle"
+    repo.mkdir()
+    config = json.loads((out / "config.json").read_text())
+    for key in ("eagle_aux_hidden_state_layer_ids", "eagle_config"):
+        config.pop(key)
+    (repo / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(out / "model.safetensors"))
+    weights["embed_tokens.weight"] = tiny_target.embed_tokens.weight.detach().float().clone()
+    save_file(weights, str(repo / "model.safetensors"))
+    back = import_drafter(repo, "eagle", tiny_target)
+    assert list(back.layer_ids) == list(ids)
+    mine, theirs = original.state_dict(), back.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k].float(), theirs[k].float()) for k in mine)
+
+    weights["embed_tokens.weight"] = weights["embed_tokens.weight"] + 1.0
+    save_file(weights, str(repo / "model.safetensors"))
+    with pytest.raises(ImportError_, match="embedding that is not this target's"):
+        import_drafter(repo, "eagle", tiny_target)
+    (repo / "model.safetensors").unlink()
+    (repo / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(ImportError_, match="pickled files are never loaded"):
+        import_drafter(repo, "eagle", tiny_target)

@@ -11,15 +11,13 @@ from collections import namedtuple
 import pytest
 import torch
 import yaml
-from conftest import build_tiny_target
+from conftest import build_tiny_target, eagle3_checkpoint, medusa_checkpoint, tiny_recipe
 from draftsmith.cli import main
 from draftsmith.data import sources
 from draftsmith.heads.drafter import CheckpointError, load_drafter, read_config
-from draftsmith.heads.export import export
+from draftsmith.export import export
 from draftsmith.heads.target import Target, TargetError
 from draftsmith.train.settings import RecipeError, load_recipe, recipe_from_dict
-from test_export import eagle3_checkpoint, medusa_checkpoint
-from test_train import tiny_recipe
 
 
 def run_cli(capsys, *argv) -> tuple[int, str]:
@@ -346,7 +344,7 @@ def test_the_eval_time_budget_stops_prompts_when_they_run_slower_than_measured()
     from types import SimpleNamespace
 
     from draftsmith.eval.benchmark import over_budget
-    from draftsmith.eval.settings import EvalSettings
+    from draftsmith.heads.decode_settings import EvalSettings
 
     options = EvalSettings(max_minutes=1, exact_prompts=3)        # 60 s
     done = [SimpleNamespace(seconds={"plain": 4.0})] * 3             # each prompt took 12 s in all modes

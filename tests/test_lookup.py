@@ -1,12 +1,11 @@
 """Context lookup merged into a drafter's tree: what it proposes, how it merges, and that it stays lossless."""
 
 import torch
-from draftsmith.eval.verifier import decode
+from draftsmith.heads.verifier import decode
 from draftsmith.heads.lookup import WithLookup, lookup, merge_chain
 from draftsmith.heads.medusa import Medusa, MedusaConfig
 from draftsmith.heads.tree import DraftTree, TreeShape, all_paths
-from test_verifier import (RandomDrafter, chi_square_p_value, exact_two_token_distribution,  # noqa: F401
-                           small_vocab_target)
+from conftest import RandomDrafter, chi_square_p_value, exact_two_token_distribution
 
 
 def test_lookup_copies_what_followed_the_latest_longest_match():
@@ -55,6 +54,9 @@ class SilentDrafter:
     required_layers = ()
 
     def reset(self):
+        pass
+
+    def observe(self, path):
         pass
 
     def propose(self, context):

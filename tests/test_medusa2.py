@@ -4,14 +4,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from draftsmith.eval.verifier import decode
+from draftsmith.heads.verifier import decode
 from draftsmith.heads.drafter import checkpoint_target, load_drafter, read_config
 from draftsmith.heads.medusa2 import Medusa2, Medusa2Config
 from draftsmith.heads.target import Target
 from draftsmith.train.loop import fit
 from draftsmith.train.settings import recipe_from_dict
 from safetensors.torch import load_file
-from test_train import tiny_recipe
+from conftest import tiny_recipe
 
 JOINT = {"num_heads": 2, "lm_head": "shared", "draft_vocab_size": None, "lora_r": 4, "lora_alpha": 8,
          "heads_coefficient": 0.5, "ramp_steps": 2, "heads_only_steps": 2}
@@ -99,7 +99,7 @@ def test_medusa2_refuses_a_target_that_cannot_take_gradients(tiny_target_dir, tm
 
 def test_drift_is_zero_against_itself_and_seen_against_a_changed_model(tiny_target_dir, tmp_path):
     from draftsmith.eval.drift import drift
-    from test_adapter import save_lora
+    from conftest import save_lora
     from transformers import AutoModelForCausalLM
 
     bare = Target.load(str(tiny_target_dir), "float32")

@@ -3,11 +3,11 @@ the tokens drafted before each head.  They start as plain Medusa, train, stay ex
 
 import pytest
 import torch
-from draftsmith.eval.verifier import decode
+from draftsmith.heads.verifier import decode
 from draftsmith.heads.drafter import DraftContext, load_drafter, save_drafter
 from draftsmith.heads.medusa import Medusa, MedusaConfig
 from draftsmith.heads.tree import TreeShape, all_paths
-from test_verifier import prompts
+from conftest import prompts
 
 
 def batch(target, seed=0, b=2, s=12):

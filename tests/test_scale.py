@@ -14,7 +14,7 @@ from draftsmith.train.accelerator import reconcile_deepspeed_config
 from draftsmith.train.loop import fit
 from draftsmith.train.settings import TrainSettings, recipe_from_dict
 from safetensors.torch import load_file
-from test_train import tiny_recipe
+from conftest import tiny_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 def run_train(recipe_path, output_dir, *overrides, processes=1, config=None, port=29517):
     """`draftsmith train` in one process, or under `accelerate launch --config_file
     recipes/accelerate/<config>.yaml` with `processes` CPU processes, as the README writes it."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     if config is None:
         env["ACCELERATE_USE_CPU"] = "true"
         command = [sys.executable, "-m", "draftsmith", "train"]
@@ -138,7 +138,7 @@ def test_two_machines_simulated_on_one_reach_the_losses_of_one_process(one_proce
 
     recipe_path, one, one_dir = one_process_run
     shutil.copytree(one_dir / "data", tmp_path / "two" / "data")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     nodes = [subprocess.Popen(
         [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", "recipes/accelerate/ddp.yaml",
          "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
@@ -170,7 +170,7 @@ def test_an_fsdp_run_killed_and_resumed_ends_where_one_process_does(one_process_
     launch = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", "recipes/accelerate/fsdp.yaml",
               "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "29531", "-m", "draftsmith",
               "train", str(recipe_path), f"output_dir={tmp_path / 'two'}", "train.batch_size=4", *settings]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(launch, env=env, cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     saved = kill_at_step(proc, tmp_path / "two" / "checkpoint", 4, group=True)

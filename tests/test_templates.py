@@ -3,7 +3,6 @@ without a template (plain text), and extra stop tokens; recorded in checkpoints,
 import json
 
 import pytest
-import yaml
 from draftsmith.data.chat import ChatTemplateError, prompt_ids, tokenize_chat
 from draftsmith.heads.target import Target, TargetError
 
@@ -50,7 +49,7 @@ def test_a_base_model_renders_plain_text_and_its_checkpoint_remembers(tiny_targe
     from draftsmith.heads.drafter import checkpoint_target, read_config
     from draftsmith.train.loop import fit
     from draftsmith.train.settings import recipe_from_dict
-    from test_train import tiny_recipe
+    from conftest import tiny_recipe
 
     bare = Target.load(str(tiny_target_dir), "float32", "cpu")
     bare.tokenizer.chat_template = None
@@ -80,3 +79,16 @@ def test_a_base_model_renders_plain_text_and_its_checkpoint_remembers(tiny_targe
 def test_a_stop_token_the_vocabulary_lacks_is_named(tiny_target_dir):
     with pytest.raises(TargetError, match=r"target.stop_tokens: '<think>' is not a token of target"):
         Target.load(str(tiny_target_dir), "float32", "cpu", chat={"stop_tokens": ["<think>"]})
+
+
+def test_every_reply_of_a_rewriting_template_is_trained_once_as_the_model_saw_it(tiny_target_dir):
+    """The earlier reply, whose reasoning the template strips from later renderings, gets a row of its own
+    (its history, it last, whole); the full chat's row trains the last reply; nothing is trained twice."""
+    from draftsmith.data.chat import tokenize_turns
+
+    target = Target.load(str(tiny_target_dir), "float32", "cpu", chat={"template": REASONING})
+    rows = tokenize_turns(target.tokenizer, CHAT)
+    marked = [[w for w, m in zip(words(target, r.input_ids), r.loss_mask) if m] for r in rows]
+    assert marked == [["think", "five", "stop", "six", "<|im_end|>"], ["think", "two", "stop", "three", "<|im_end|>"]]
+    plain = Target.load(str(tiny_target_dir), "float32", "cpu")        # a growing-prefix template: one row
+    assert len(tokenize_turns(plain.tokenizer, CHAT)) == 1

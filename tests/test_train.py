@@ -8,14 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import build_tiny_target
+from conftest import build_tiny_target, tiny_recipe
 from draftsmith.heads.drafter import load_drafter
 from draftsmith.heads.medusa import Medusa, MedusaConfig
 from draftsmith.heads.target import Target, TargetError
 from draftsmith.train.loop import TrainingError, fit
 from draftsmith.train.settings import RecipeError, load_recipe, recipe_from_dict
 from safetensors.torch import load_file
-from test_data import chats_file
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -36,18 +35,6 @@ def test_unknown_recipe_key_is_named_with_the_valid_keys():
         recipe_from_dict({"method": "medusa", "tarjet": {}})
     with pytest.raises(RecipeError, match="method"):
         recipe_from_dict({"method": "lookahead"})
-
-
-def tiny_recipe(tmp_path, target_dir, **train):
-    return {
-        "method": "medusa", "output_dir": str(tmp_path / "run"), "seed": 0,
-        "target": {"path": str(target_dir), "dtype": "float32"},
-        "data": {"source": str(chats_file(tmp_path / "chats.jsonl", 40)), "max_conversations": None,
-                 "batch_size": 8, "max_new_tokens": 24},
-        "drafter": {"num_heads": 3, "lm_head": "own", "draft_vocab_size": 64},
-        "train": {"epochs": 2, "batch_size": 4, "lr": 1e-2, "warmup_steps": 2, "log_every": 2, "save_every": 3,
-                  "mixed_precision": "no", "heldout_fraction": 0.2, **train},
-    }
 
 
 def test_training_end_to_end_writes_a_checkpoint_that_reloads(tiny_target_dir, tmp_path):
@@ -128,7 +115,7 @@ def test_training_killed_and_resumed_ends_with_the_same_weights(tiny_target_dir,
     recipe_path.write_text(yaml.safe_dump(raw))
     script = tmp_path / "train.py"
     script.write_text(TRAIN_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ)
     base = [sys.executable, str(script), str(recipe_path)]
     # the data once, shared by both runs (so only training is compared)
     subprocess.run(base + [f"output_dir={tmp_path / 'whole'}"], check=True, env=env, timeout=600)
@@ -211,7 +198,7 @@ def test_recipes_lists_the_shipped_ones_and_show_prints_what_a_run_reads(capsys,
 def test_the_python_api_of_the_readme_runs(tiny_target_dir, tmp_path):
     """The README's Python API section, on a tiny model: load_recipe, make_recipe_data, fit, evaluate, export."""
     from draftsmith.eval.benchmark import EvalOptions, evaluate
-    from draftsmith.heads.export import export
+    from draftsmith.export import export
     from draftsmith.train.batches import make_recipe_data
     from draftsmith.train.settings import load_recipe
 

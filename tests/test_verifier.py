@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from draftsmith.eval import acceptance
-from draftsmith.eval.verifier import decode
+from draftsmith.heads import acceptance
+from draftsmith.heads.verifier import decode
 from draftsmith.heads.medusa import Medusa, MedusaConfig
 from draftsmith.heads.tree import DraftTree, TreeShape, all_paths
+from conftest import RandomDrafter, chi_square_p_value, exact_two_token_distribution, prompts, sample_pairs
 
 
 class OracleDrafter:
@@ -20,16 +21,14 @@ class OracleDrafter:
     def reset(self):
         self.sequence = []
 
+    def observe(self, path):
+        pass
+
     def propose(self, context):
         self.sequence += context.tokens.tolist()
         continuation = decode(self.target, self.sequence + [context.next_token], self.depth + 1).tokens
         proposal = continuation[: self.depth]
         return DraftTree(tokens=torch.tensor(proposal), parents=torch.arange(len(proposal)) - 1)
-
-
-def prompts(target, count=4, length=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(6, target.vocab_size, (length,), generator=g).tolist() for _ in range(count)]
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
@@ -72,75 +71,84 @@ def test_greedy_rule_follows_the_argmax():
 
 # -- sampling -----------------------------------------------------------------------------------------------
 
-def exact_two_token_distribution(target, prompt, temperature):
-    """P(x1, x2 | prompt) by enumeration: [v, v]."""
-    from draftsmith.heads.sampling import probabilities
 
-    v = target.vocab_size
-    with torch.no_grad():
-        p1 = probabilities(target.model(input_ids=torch.tensor([prompt])).logits[0, -1], temperature)
-        batch = torch.tensor([prompt + [x] for x in range(v)])
-        p2 = probabilities(target.model(input_ids=batch).logits[:, -1], temperature)
-    return p1[:, None] * p2
+# Fixed logits: a Markov "target" over 12 tokens (the next token's logits depend on the last token only), so the
+# exact distribution of the first two tokens after the root is known in closed form and each run costs a few
+# acceptance calls instead of model forwards: 20,000 runs in seconds, for every proposal shape and rule.
+
+VOCAB = 12
 
 
-def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """Pearson's test, cells with expected count < 5 pooled; p from the regularized upper incomplete gamma."""
-    n = counts.sum()
-    expected = expected_probs.flatten() * n
-    counts = counts.flatten().double()
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]]).double()
-    keep = exp > 0
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), stat / 2))
+def markov_table(seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(VOCAB, VOCAB, generator=g) * 1.5          # row x: the target's logits after token x
 
 
-class RandomDrafter:
-    """Proposes from a fixed, wrong distribution q: as a chain of i.i.d. samples with q attached (classic rule),
-    or as a top-k tree (point-mass rule)."""
-
-    required_layers = ()
-
-    def __init__(self, vocab, shape, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        self.q = torch.softmax(torch.randn(vocab, generator=g) * 2, -1)
-        self.shape = shape
-        self.g = torch.Generator().manual_seed(seed + 1)
-
-    def reset(self):
-        pass
-
-    def propose(self, context):
-        if self.shape == "chain":
-            tokens = torch.multinomial(self.q, 2, replacement=True, generator=self.g)
-            return DraftTree(tokens=tokens, parents=torch.tensor([-1, 0]), draft_probs=self.q.expand(2, -1))
-        top = self.q.topk(3).indices              # 3 candidates at depth 1, 2 under the first
-        return DraftTree(tokens=torch.cat([top, top[:2]]), parents=torch.tensor([-1, -1, -1, 0, 0]))
+def chain_proposal(q, g):
+    tokens = torch.multinomial(q, 2, replacement=True, generator=g)
+    return DraftTree(tokens=tokens, parents=torch.tensor([-1, 0]), draft_probs=q.expand(2, -1))
 
 
-@pytest.fixture(scope="module")
-def small_vocab_target(tmp_path_factory):
-    from conftest import build_tiny_target
-    from draftsmith.heads.target import Target
-
-    directory = build_tiny_target(tmp_path_factory.mktemp("tiny-vocab"), seed=3, vocab_size=12, sharpen=1.5)
-    return Target.load(str(directory), "float32")
+def tree_proposal(q, g):
+    top = q.topk(3).indices                           # 3 candidates at depth 1, 2 under the first
+    return DraftTree(tokens=torch.cat([top, top[:2]]), parents=torch.tensor([-1, -1, -1, 0, 0]))
 
 
-def sample_pairs(target, drafter, prompt, runs, temperature, rule="auto"):
-    v = target.vocab_size
-    counts = torch.zeros(v, v)
-    g = torch.Generator().manual_seed(1234)
+def fixed_logit_pairs(table, root, propose, runs, temperature, top_p=1.0, rule="auto", seed=1234):
+    """Counts [v, v] of the first two tokens emitted after `root` by repeated verification steps."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(VOCAB, generator=torch.Generator().manual_seed(7)) * 2, -1)   # the drafter: wrong
+    counts = torch.zeros(VOCAB, VOCAB)
     for _ in range(runs):
-        out = decode(target, prompt, 2, drafter=drafter, temperature=temperature, rule=rule, generator=g)
-        counts[out.tokens[0], out.tokens[1]] += 1
+        emitted, last = [], root
+        while len(emitted) < 2:
+            tree = propose(q, g)
+            logits = torch.stack([table[last]] + [table[t] for t in tree.tokens.tolist()])
+            verdict = acceptance.accept(tree, logits, temperature, top_p, rule=rule, generator=g)
+            emitted += [int(tree.tokens[c]) for c in verdict.path] + [verdict.bonus]
+            last = emitted[-1]
+        counts[emitted[0], emitted[1]] += 1
     return counts
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree"])
+def markov_pair_distribution(table, root, temperature, top_p=1.0):
+    from draftsmith.heads.sampling import probabilities
+
+    return probabilities(table[root], temperature, top_p)[:, None] * probabilities(table, temperature, top_p)
+
+
+@pytest.mark.parametrize("propose", [chain_proposal, tree_proposal], ids=["chain", "tree"])
+@pytest.mark.parametrize("temperature,top_p", [(0.8, 1.0), (1.3, 0.9)])
+def test_rejection_sampling_keeps_the_target_distribution_on_fixed_logits(propose, temperature, top_p):
+    table = markov_table()
+    counts = fixed_logit_pairs(table, 4, propose, 20000, temperature, top_p)
+    assert chi_square_p_value(counts, markov_pair_distribution(table, 4, temperature, top_p)) > 1e-3
+
+
+@pytest.mark.parametrize("propose", [chain_proposal, tree_proposal], ids=["chain", "tree"])
+def test_the_fixed_logit_test_detects_lossy_rules(propose):
+    """Negative control: typical acceptance is not lossless, and the same test must say so."""
+    table = markov_table()
+    expected = markov_pair_distribution(table, 4, 0.8)
+    counts = fixed_logit_pairs(table, 4, propose, 20000, 0.8, rule="typical")
+    assert chi_square_p_value(counts, expected) < 1e-3
+
+
+def test_the_fixed_logit_test_detects_a_drafter_that_misreports_q():
+    """A drafter that samples from q but reports another q' (a real bug: probabilities from the wrong
+    temperature) makes rejection sampling lossy; the same test must say so."""
+    table = markov_table()
+    expected = markov_pair_distribution(table, 4, 0.8)
+
+    def misreported(q, g):
+        tree = chain_proposal(q, g)
+        return DraftTree(tokens=tree.tokens, parents=tree.parents, draft_probs=torch.full((2, VOCAB), 1 / VOCAB))
+
+    counts = fixed_logit_pairs(table, 4, misreported, 20000, 0.8)
+    assert chi_square_p_value(counts, expected) < 1e-3
+
+
+@pytest.mark.parametrize("shape", ["tree"])
 def test_speculative_sampling_keeps_the_target_distribution(small_vocab_target, shape):
     target = small_vocab_target
     target.eos_token_ids = []                     # two tokens always: the test looks at both
@@ -149,13 +157,3 @@ def test_speculative_sampling_keeps_the_target_distribution(small_vocab_target, 
     expected = exact_two_token_distribution(target, prompt, temperature)
     counts = sample_pairs(target, RandomDrafter(target.vocab_size, shape), prompt, 3000, temperature)
     assert chi_square_p_value(counts, expected) > 1e-3
-
-
-def test_the_sampling_test_detects_a_lossy_rule(small_vocab_target):
-    """Negative control: typical acceptance is not lossless, and the same test must say so."""
-    target = small_vocab_target
-    target.eos_token_ids = []
-    prompt = [7, 9, 11]
-    expected = exact_two_token_distribution(target, prompt, 0.8)
-    counts = sample_pairs(target, RandomDrafter(target.vocab_size, "tree"), prompt, 3000, 0.8, rule="typical")
-    assert chi_square_p_value(counts, expected) < 1e-3

@@ -107,7 +107,9 @@ class FeatureSource:
         return {layer: out[:, :, self.layers.index(layer)] for layer in self.wanted}
 
 
-def _is_heldout(conv_id: str, seed: int, fraction: float) -> bool:
+def _is_heldout(row_id: str, seed: int, fraction: float) -> bool:
+    """By conversation: the extra rows of one conversation ("ID#turnN", data/chat.py) go with it."""
+    conv_id = row_id.split("#turn")[0]
     digest = hashlib.sha256(f"{seed}:{conv_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2 ** 64 < fraction
 

@@ -73,7 +73,7 @@ def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimiz
             torch.save(optimizer_state, tmp / "state" / FSDP_OPTIMIZER)
         (tmp / "state" / "scheduler.json").write_text(json.dumps(_scheduler_state(scheduler)))  # the directory
         (tmp / "state" / "progress.json").write_text(json.dumps({**progress, "sharding": sharding}))  # is swapped in whole
-        from draftsmith.heads.card import write_card
+        from draftsmith.export.card import write_card
         write_card(tmp)
     accelerator.wait_for_everyone()
     torch.save({"torch": rank_state["torch"], "python": _python_state(rank_state["python"])},
@@ -168,7 +168,7 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
                          f"{name[sharding]}; launch it the way it was saved")
     drafter = accelerator.unwrap_model(model)
     saved_identity = TargetIdentity.from_dict(read_config(found)["target"])
-    if getattr(drafter, "trains_target_adapter", False):       # Medusa-2: its LoRA is restored below
+    if drafter.trains_target_adapter:       # Medusa-2: its LoRA is restored below
         saved_identity = dataclasses.replace(saved_identity, adapter_sha256=drafter.target_identity.adapter_sha256)
     saved_identity.require_same(drafter.target_identity, f"checkpoint {found}")
     if sharding == "fsdp":
@@ -176,8 +176,7 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
     else:
         drafter.load_state_dict(read_weights(found), strict=True)
         optimizer.load_state_dict(torch.load(found / "state" / "optimizer.pt", weights_only=True, map_location="cpu"))
-    if hasattr(drafter, "load_adapter"):
-        drafter.load_adapter(found)
+    drafter.load_adapter(found)
     from draftsmith.heads.drafter import RESERVED
     drafter.metadata.update({k: v for k, v in read_config(found).items() if k not in RESERVED})
     scheduler.load_state_dict(json.loads((found / "state" / "scheduler.json").read_text()))

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from draftsmith.eval.metrics import simulated_tau
+from draftsmith.heads.metrics import simulated_tau
 from draftsmith.heads.device import same_device
 from draftsmith.heads.drafter import registry, save_drafter
 from draftsmith.heads.files import DirectoryLock
@@ -58,11 +58,10 @@ class TrainReport:
 def build_drafter(recipe: Recipe, target: Target, train_rows):
     cls = registry()[recipe.method]
     drafter = cls(recipe.drafter, target)
-    if hasattr(drafter, "attach_backbone"):          # Medusa-2: a LoRA on the target trains with the heads
-        drafter.attach_backbone()
-    if hasattr(drafter, "data_is_target_greedy"):     # greedy regeneration: every reply token is the target's argmax
-        drafter.data_is_target_greedy = recipe.data.mode == "regenerate" and recipe.data.temperature == 0
-    vocab_size = getattr(recipe.drafter, "draft_vocab_size", None)
+    drafter.attach_backbone()                          # Medusa-2: a LoRA on the target trains with the heads
+    # greedy regeneration: every reply token is the target's argmax
+    drafter.data_is_target_greedy = recipe.data.mode == "regenerate" and recipe.data.temperature == 0
+    vocab_size = recipe.drafter.draft_vocab_size
     if vocab_size:
         from draftsmith.data.vocab import (
             assistant_token_counts,
@@ -76,7 +75,7 @@ def build_drafter(recipe: Recipe, target: Target, train_rows):
         drafter.metadata["draft_vocab_coverage"] = coverage(counts, vocab)
         log.info("draft vocabulary: %d tokens cover %.1f%% of training reply tokens", vocab_size,
                  100 * drafter.metadata["draft_vocab_coverage"])
-    init_from = getattr(recipe.drafter, "init_from", None)
+    init_from = recipe.drafter.init_from
     if init_from:                  # its weights, its draft vocabulary (the rows of its lm_head) included
         from draftsmith.heads.drafter import warm_start
         warm_start(drafter, init_from)
@@ -124,9 +123,7 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
     total_steps = math.ceil(steps_per_epoch * recipe.train.epochs)
     if recipe.train.max_steps:
         total_steps = min(total_steps, recipe.train.max_steps)
-    params = (drafter.param_groups(recipe.train.lr) if hasattr(drafter, "param_groups")
-              else [p for p in drafter.parameters() if p.requires_grad])
-    optimizer = torch.optim.AdamW(params, lr=recipe.train.lr, betas=recipe.train.betas,
+    optimizer = torch.optim.AdamW(drafter.param_groups(recipe.train.lr), lr=recipe.train.lr, betas=recipe.train.betas,
                                   weight_decay=recipe.train.weight_decay)
     clock = {"start": time.time(), "limit": recipe.train.max_minutes * 60 if recipe.train.max_minutes else None,
              "offset": 0.0}
@@ -245,7 +242,7 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
     history.append(final)
     weights = accelerator.get_state_dict(model)             # gathered under FSDP / ZeRO-3
     if accelerator.is_main_process:
-        from draftsmith.heads.card import write_card
+        from draftsmith.export.card import write_card
 
         save_drafter(drafter, checkpoint_dir, state=weights,
                      extra={"heldout": {k: v for k, v in final.items() if k.startswith(("heldout", "eval"))}})
@@ -260,8 +257,8 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
 @torch.no_grad()
 def decode_heldout(recipe, target, drafter, heldout) -> dict:
     """Real speculative decoding of held-out prompts with the drafter as it is now: tau, per-position acceptance."""
-    from draftsmith.eval import metrics
-    from draftsmith.eval.verifier import decode
+    from draftsmith.heads import metrics
+    from draftsmith.heads.verifier import decode
 
     was_training = drafter.training
     drafter.eval()
@@ -360,14 +357,15 @@ def _validate(recipe, accelerator, target, model, heldout, state, log_path, cali
         batch["features"] = _features(target, batch, drafter.required_layers)
         with accelerator.autocast():
             out = drafter.loss(batch)
-            if calibrate and hasattr(drafter, "topk_hits"):
-                h, c = (t * weight for t in drafter.topk_hits(batch))
+            found = drafter.topk_hits(batch) if calibrate else None
+            if found is not None:
+                h, c = (t * weight for t in found)
                 hits = h if hits is None else hits + h
                 hit_counted = c if hit_counted is None else hit_counted + c
         correct = out.correct * weight if correct is None else correct + out.correct * weight
         counted = out.counted * weight if counted is None else counted + out.counted * weight
-    if calibrate and hasattr(drafter, "topk_hits") and hits is None:     # this process had no held-out batch
-        hits, hit_counted = drafter.topk_hits(None)
+    if calibrate and hits is None:     # this process had no held-out batch (or the drafter has no static trees)
+        hits, hit_counted = drafter.topk_hits(None) or (None, None)
     empty = torch.zeros(drafter.draft_positions, device=accelerator.device)
     correct = accelerator.reduce(correct if correct is not None else empty, reduction="sum")
     counted = accelerator.reduce(counted if counted is not None else empty.clone(), reduction="sum")

@@ -48,8 +48,7 @@ def _training_rate(recipe, target, rows: list[list[int]], masks: list[list[int]]
     from draftsmith.train.batches import collate
 
     drafter = registry()[recipe.method](recipe.drafter, target)
-    if hasattr(drafter, "attach_backbone"):
-        drafter.attach_backbone()
+    drafter.attach_backbone()
     drafter.train()
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-6)
     batch = collate([{"input_ids": r, "loss_mask": m} for r, m in zip(rows, masks)][: recipe.train.batch_size])

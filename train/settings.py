@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 from draftsmith.data.distill import DataSettings
-from draftsmith.eval.settings import EvalSettings
+from draftsmith.heads.decode_settings import EvalSettings
 from draftsmith.heads.config import ConfigError, coerce, config_from_dict
 from draftsmith.heads.drafter import registry
 

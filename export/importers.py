@@ -1,12 +1,16 @@
 """Read a drafter written for a serving stack back into a draftsmith checkpoint: the inverse of
-heads/export_formats.py, for warm starts from published drafters (`draftsmith import`, then
+export/writers.py, for warm starts from published drafters (`draftsmith import`, then
 `drafter.init_from=CHECKPOINT` in a recipe).
 
 Formats: `vllm` (Medusa and EAGLE-3), `speculators`, `sglang` (what SpecForge writes), `trtllm`
-(Model Optimizer's HF EAGLE-3 layout) and `medusa-original` (FasterDecoding).  The layer-id
-conventions are converted (SGLang and TensorRT-LLM name a fused layer by the decoder layer whose
-output it takes: draftsmith's id is that plus one), the vocabulary maps are checked against each
-other and against the target, and every tensor must fit the drafter draftsmith builds for that target.
+(Model Optimizer's HF EAGLE-3 layout), `medusa-original` (FasterDecoding) and `eagle` (the EAGLE
+repository's own EAGLE-3 layout, SafeAILab/EAGLE: the tensors vLLM's loader reads plus the target's
+embedding, and no layer ids in config.json, because that code always fuses hidden_states at layers
+(2, N//2, N-3)).  Tensor names come from the drafter's declared layout through the same rules the
+writers use (export/layouts.py).  The layer-id conventions are converted (SGLang and TensorRT-LLM
+name a fused layer by the decoder layer whose output it takes: draftsmith's id is that plus one), the
+vocabulary maps are checked against each other and against the target, and every tensor must fit
+the drafter draftsmith builds for that target.  Weights are read from safetensors only.
 """
 from __future__ import annotations
 
@@ -16,11 +20,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .drafter import save_drafter
-from .target import Target
+from draftsmith.heads.drafter import describe, save_drafter
+from draftsmith.heads.target import Target
 
-FORMATS = ("vllm", "speculators", "sglang", "trtllm", "medusa-original")
+from .layouts import VOCABULARY, names
+
+FORMATS = ("vllm", "speculators", "sglang", "trtllm", "medusa-original", "eagle")
 OUTPUT_CONVENTION = ("sglang", "trtllm")         # layer ids name a decoder layer's output
+CARRIED = {"embed_tokens.weight"}                 # the target's own embedding some formats carry: checked, not kept
 
 
 class ImportError_(ValueError):
@@ -30,7 +37,10 @@ class ImportError_(ValueError):
 def _weights(source: Path) -> dict[str, torch.Tensor]:
     files = sorted(source.glob("*.safetensors"))
     if not files:
-        raise ImportError_(f"'{source}' holds no .safetensors weights (pickled .bin files are never loaded)")
+        pickled = sorted(p.name for p in source.glob("*.bin")) + sorted(p.name for p in source.glob("*.pt"))
+        raise ImportError_(f"'{source}' holds no .safetensors weights"
+                           + (f" (only {', '.join(pickled[:3])}: pickled files are never loaded; convert them to "
+                              "safetensors where you trust them, then import)" if pickled else ""))
     weights = {}
     for f in files:
         weights.update({k: v.float() if v.is_floating_point() else v for k, v in load_file(str(f)).items()})
@@ -46,15 +56,43 @@ def import_drafter(source: str | Path, fmt: str, target: Target):
         raise ImportError_(f"'{source}' is not an export: no config.json")
     config = json.loads((source / "config.json").read_text())
     if fmt == "medusa-original":
-        from .export_formats import import_medusa_original
-        return import_medusa_original(source, target)
+        weights = load_file(str(source / "medusa_lm_head.safetensors")) if (
+            source / "medusa_lm_head.safetensors").is_file() else _weights(source)
+        return _medusa_original(config, {k: v.float() for k, v in weights.items()}, target)
+    weights = _weights(source)
     if config.get("model_type") == "medusa":
-        return _medusa_vllm(config, _weights(source), target)
-    return _eagle3(config, _weights(source), target, fmt)
+        return _medusa_vllm(config, weights, target)
+    if fmt == "eagle" and "d2t" not in weights:
+        raise ImportError_(f"'{source}' is not an EAGLE-3 drafter (no d2t): draftsmith reads the EAGLE repository's "
+                           "EAGLE-3 layout; its EAGLE-1/2 drafters (fc with a bias, layers.0.*) have no import yet")
+    return _eagle3(config, weights, target, fmt)
+
+
+def _fill(drafter, weights: dict, fmt: str, vocabulary: torch.Tensor, skip: set = frozenset()) -> None:
+    """Load `weights` (the format's names) into `drafter` through the layout's renaming rules."""
+    theirs_of = names(describe(drafter), fmt)
+    state = {ours: weights[theirs] for ours, theirs in theirs_of.items() if theirs in weights}
+    missing = sorted(theirs for theirs in theirs_of.values() if theirs not in weights)
+    unknown = sorted(set(weights) - set(theirs_of.values()) - set(skip))
+    own = drafter.state_dict()
+    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in state if state[k].shape != own[k].shape]
+    if missing or unknown or wrong:
+        raise ImportError_(f"the export does not fit a {drafter.kind} drafter for this target: missing {missing[:4]}, "
+                           f"unexpected {unknown[:4]}, shapes {wrong[:4]}")
+    drafter.load_state_dict({**state, VOCABULARY: vocabulary}, strict=True)
+
+
+def _medusa_original(config: dict, weights: dict, target: Target):
+    from draftsmith.heads.medusa import Medusa, MedusaConfig
+
+    heads, layers = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])
+    drafter = Medusa(MedusaConfig(num_heads=heads, num_layers=layers, lm_head="own"), target)
+    _fill(drafter, weights, "medusa-original", torch.arange(target.vocab_size))
+    return drafter
 
 
 def _medusa_vllm(config: dict, weights: dict, target: Target):
-    from .medusa import Medusa, MedusaConfig
+    from draftsmith.heads.medusa import Medusa, MedusaConfig
 
     heads, layers = int(config["num_heads"]), int(config["num_hidden_layers"])
     shared = bool(config.get("original_lm_head"))
@@ -66,23 +104,18 @@ def _medusa_vllm(config: dict, weights: dict, target: Target):
         raise ImportError_(f"token_map names token {int(draft.max())}, beyond the target's vocabulary ({target.vocab_size})")
     drafter = Medusa(MedusaConfig(num_heads=heads, num_layers=layers, lm_head="shared" if shared else "own",
                                   draft_vocab_size=None if draft.numel() == target.vocab_size else draft.numel()), target)
-    from .export_formats import medusa_vllm_names
-
-    state = {"draft_to_target": draft}
-    state.update({ours: weights[theirs] for ours, theirs in medusa_vllm_names(heads, layers, shared).items()
-                  if theirs in weights})          # what is missing is named by _load
     if shared:                  # the one shared head is the target's own: it must be this target's
         written = weights["lm_heads.0.weight"]
         own = target.lm_head.weight.detach().float().cpu()[draft]
         if written.shape != own.shape or not torch.allclose(written, own, atol=1e-2, rtol=1e-2):
             raise ImportError_("the export's shared head is not this target's lm_head: import it against the target "
                                "it was made for (--target)")
-    _load(drafter, state)
+    _fill(drafter, weights, "vllm", draft, skip={"token_map", "lm_heads.0.weight"} if shared else {"token_map"})
     return drafter
 
 
 def _eagle3(config: dict, weights: dict, target: Target, fmt: str):
-    from .eagle3 import Eagle3, Eagle3Config
+    from draftsmith.heads.eagle3 import Eagle3, Eagle3Config, default_layer_ids
 
     layer = config.get("transformer_layer_config", config)              # speculators nests the layer's fields
     if config.get("norm_before_residual") is True:
@@ -90,9 +123,8 @@ def _eagle3(config: dict, weights: dict, target: Target, fmt: str):
                            "which draftsmith's EAGLE-3 layer does not do")
     ids = (config.get("eagle_aux_hidden_state_layer_ids")
            or config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"))
-    if not ids and fmt == "vllm":           # vLLM then fuses its default layers: (2, N//2, N-3), as we do
-        from .eagle3 import default_layer_ids
-        ids = default_layer_ids(target.num_layers)
+    if not ids and fmt in ("vllm", "eagle"):      # vLLM then fuses its default layers, and the EAGLE code always
+        ids = default_layer_ids(target.num_layers)     # does: (2, N//2, N-3), the inputs of those decoder layers
     if not ids or len(ids) != 3:
         raise ImportError_("the export names no 3 fused target layers (eagle_aux_hidden_state_layer_ids)")
     ids = [int(i) + 1 for i in ids] if fmt in OUTPUT_CONVENTION else [int(i) for i in ids]
@@ -105,26 +137,16 @@ def _eagle3(config: dict, weights: dict, target: Target, fmt: str):
         t2d = weights["t2d"].bool()
         if t2d.numel() != target.vocab_size or int(t2d.sum()) != draft.numel() or not bool(t2d[draft].all()):
             raise ImportError_("t2d and d2t disagree (t2d must mark exactly the target ids d2t maps to)")
-    prefix = "layers.0." if fmt == "speculators" else "midlayer."
-    state = {("midlayer." + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in weights.items()
-             if k not in ("d2t", "t2d", "embed_tokens.weight")}
-    state["draft_to_target"] = draft
+    if "embed_tokens.weight" in weights:          # the target's embedding, carried along: it must be this target's
+        own = target.embed_tokens.weight.detach().float().cpu()
+        carried = weights["embed_tokens.weight"]
+        if carried.shape != own.shape or not torch.allclose(carried, own, atol=1e-2, rtol=1e-2):
+            raise ImportError_("the export carries an embedding that is not this target's: import it against the "
+                               "target it was trained for (--target)")
     drafter = Eagle3(Eagle3Config(layer_ids=ids, draft_vocab_size=draft.numel(),
                                   intermediate_size=int(layer["intermediate_size"])), target)
-    _load(drafter, state)
+    _fill(drafter, weights, fmt, draft, skip={"d2t", "t2d"} | CARRIED)
     return drafter
-
-
-def _load(drafter, state: dict) -> None:
-    own = drafter.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in set(own) & set(state)
-             if state[k].shape != own[k].shape]
-    if missing or unexpected or wrong:
-        raise ImportError_(f"the export does not fit a {drafter.kind} drafter for this target: missing {missing[:4]}, "
-                           f"unexpected {unexpected[:4]}, shapes {wrong[:4]}")
-    drafter.load_state_dict(state, strict=True)
 
 
 def import_checkpoint(source: str | Path, fmt: str, out_dir: str | Path, target: Target) -> Path:

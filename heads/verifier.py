@@ -19,13 +19,14 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from draftsmith.heads.device import synchronize
-from draftsmith.heads.drafter import DraftContext
-from draftsmith.heads.sampling import next_token
-from draftsmith.heads.target import Target
-from draftsmith.heads.tree import DraftTree
 
 from .acceptance import accept
+from .contract import Proposer
+from .device import synchronize
+from .drafter import DraftContext
+from .sampling import next_token
+from .target import Target
+from .tree import DraftTree
 
 EMPTY_TREE = DraftTree(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long))
 
@@ -43,7 +44,7 @@ class DecodeResult:
 
 
 @torch.no_grad()
-def decode(target: Target, prompt: list[int], max_new_tokens: int, drafter=None, temperature: float = 0.0,
+def decode(target: Target, prompt: list[int], max_new_tokens: int, drafter: Proposer | None = None, temperature: float = 0.0,
            top_p: float = 1.0, rule: str = "auto", generator: torch.Generator | None = None,
            max_tree_size: int = 256) -> DecodeResult:
     """Generate up to max_new_tokens after `prompt` (batch 1), speculatively if a drafter is given."""
@@ -60,7 +61,6 @@ def decode(target: Target, prompt: list[int], max_new_tokens: int, drafter=None,
     result.first_token_seconds = time.perf_counter() - start_time
     stops = set(target.eos_token_ids)
     context = None
-    observe = getattr(drafter, "observe", None)     # drafters that count what was accepted (heads/lookup.py)
     if drafter is not None:
         drafter.reset()
         context = DraftContext(tokens=prompt_ids[0], hidden={i: h[0] for i, h in out.hidden_states.items()},
@@ -81,8 +81,8 @@ def decode(target: Target, prompt: list[int], max_new_tokens: int, drafter=None,
             cache.keep(start, torch.tensor([start + r for r in kept_rows], device=device))
         new_tokens = [int(tree.tokens[c]) for c in verdict.path] + [verdict.bonus]
         result.accepted.append(len(verdict.path))
-        if observe is not None:
-            observe(verdict.path)
+        if drafter is not None:
+            drafter.observe(verdict.path)          # drafters that count what was accepted (heads/lookup.py)
         for token in new_tokens:
             result.tokens.append(token)
             if token in stops or len(result.tokens) >= max_new_tokens:

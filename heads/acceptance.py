@@ -26,8 +26,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from draftsmith.heads.sampling import probabilities, sample
-from draftsmith.heads.tree import DraftTree
+
+from .sampling import probabilities, sample
+from .tree import DraftTree
 
 
 @dataclass

@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .drafter import read_config, read_weights, target_path
-from .files import swap_directory
+from draftsmith.heads.drafter import read_config, read_weights, target_path
+from draftsmith.heads.files import swap_directory
+
+from .layouts import check_shapes, layout
 
 FORMATS = ("vllm", "speculators", "sglang", "trtllm", "medusa-original")
 SUPPORTED = {"medusa": ("vllm", "medusa-original"), "eagle3": ("vllm", "speculators", "sglang", "trtllm")}
@@ -38,50 +40,12 @@ def _dtype(name: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def expected_shapes(config: dict) -> dict[str, tuple]:
-    """The tensors a checkpoint of this config must hold, with their shapes."""
-    target = config["target"]
-    d, vocab = target["hidden_size"], target["vocab_size"]
-    arch = config["drafter"]
-    if config["kind"] == "medusa":
-        heads, layers = arch["num_heads"], arch["num_layers"]
-        draft = arch.get("draft_vocab_size") or vocab
-        shapes = {"draft_to_target": (draft,)}
-        for h in range(heads):
-            for l in range(layers):
-                shapes[f"blocks.{h}.{l}.linear.weight"] = (d, d)
-                shapes[f"blocks.{h}.{l}.linear.bias"] = (d,)
-            if arch["lm_head"] == "own":
-                shapes[f"lm_heads.{h}.weight"] = (draft, d)
-        offsets = {"root": 1, "path": heads}.get(arch.get("conditioning", "none"), 0)
-        shapes.update({f"token_proj.{j}.weight": (d, d) for j in range(offsets)})
-        return shapes
-    if config["kind"] == "eagle3":
-        shape = config["architecture"]
-        H, I, hd = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
-        q, kv = shape["num_heads"] * hd, shape["num_kv_heads"] * hd
-        draft = shape["draft_vocab_size"]
-        return {
-            "fc.weight": (H, 3 * d), "draft_to_target": (draft,), "norm.weight": (H,), "lm_head.weight": (draft, H),
-            "midlayer.hidden_norm.weight": (H,), "midlayer.input_layernorm.weight": (H,),
-            "midlayer.post_attention_layernorm.weight": (H,),
-            "midlayer.self_attn.q_proj.weight": (q, 2 * H), "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
-            "midlayer.self_attn.v_proj.weight": (kv, 2 * H), "midlayer.self_attn.o_proj.weight": (H, q),
-            "midlayer.mlp.gate_proj.weight": (I, H), "midlayer.mlp.up_proj.weight": (I, H),
-            "midlayer.mlp.down_proj.weight": (H, I),
-        }
-    raise ExportError(f"drafter kind '{config['kind']}' has no export yet")
-
-
 def check_weights(weights: dict, config: dict, where: str) -> None:
-    expected = expected_shapes(config)
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
-    wrong = [f"{k}: {tuple(weights[k].shape)} != {expected[k]}" for k in sorted(set(expected) & set(weights))
-             if tuple(weights[k].shape) != tuple(expected[k])]
-    if missing or extra or wrong:
-        raise ExportError(f"{where} does not hold the tensors its config describes: missing {missing[:6]}, "
-                          f"extra {extra[:6]}, wrong shapes {wrong[:6]}; the checkpoint is damaged or mixed up")
+    """The checkpoint holds exactly the tensors its drafter's declared layout names, in those shapes."""
+    wrong = check_shapes(weights, layout(config))
+    if wrong:
+        raise ExportError(f"{where} does not hold the tensors its config describes: {wrong}; the checkpoint is "
+                          "damaged or mixed up")
 
 
 def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "bfloat16",
@@ -107,8 +71,8 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
     check_destination(checkpoint, out_dir, overwrite)
     needed = _needs_target(config, fmt) or target_path or with_target
     target = _target_for(config, target_path, dtype, device, layers=with_target) if needed else None
-    from . import export_formats
-    tensors, files = export_formats.WRITERS[(kind, fmt)](config, weights, target, _dtype(dtype), checkpoint)
+    from . import writers
+    tensors, files = writers.WRITERS[(kind, fmt)](config, weights, target, _dtype(dtype), checkpoint)
     if config.get("target_adapter") and "README.md" in files:
         files["README.md"] += adapter_note(config)
     tmp = out_dir.with_name(out_dir.name + ".tmp-export")
@@ -188,9 +152,9 @@ def _target_for(config: dict, target_path: str | None, dtype: str, device: str, 
     """The target, for its identity and the matrices an export carries: in bf16 on the resolved device
     for a bf16 export (no precision lost), in fp32 for fp32/fp16 exports.  Only its embedding and
     lm_head are read, unless the export writes the whole target (layers=True)."""
-    from .device import resolve_device
-    from .drafter import checkpoint_target
-    from .target import TargetIdentity
+    from draftsmith.heads.device import resolve_device
+    from draftsmith.heads.drafter import checkpoint_target
+    from draftsmith.heads.target import TargetIdentity
 
     load_dtype = "bfloat16" if dtype == "bfloat16" else "float32"
     target = checkpoint_target(config, load_dtype, resolve_device(device), target_path, layers=layers)

@@ -1,6 +1,8 @@
 """One writer per (drafter, format): tensors renamed and configs written as each stack reads them.
 
-Each writer returns ({filename: {tensor name: tensor}}, {filename: text or JSON}).
+Each writer returns ({filename: {tensor name: tensor}}, {filename: text or JSON}).  Tensor names come
+from the drafter's declared layout through the format's rules (export/layouts.py); the writers add
+what a format carries beyond the drafter's own weights (vocabulary maps, the target's head or embedding).
 Facts behind the names come from the serving stacks (vLLM, SGLang and TensorRT-LLM loaders):
 vLLM's Medusa (`blocks.{h}.layers.{l}`, `lm_heads.{h}`, `token_map` with
 `truncated_vocab_size`, `original_lm_head` for one shared head), vLLM/SGLang
@@ -14,7 +16,8 @@ import logging
 
 import torch
 
-from .export import ExportError
+from .core import ExportError
+from .layouts import VOCABULARY, names
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ def medusa_vllm(config, weights, target, dtype, checkpoint):
         raise ExportError("vLLM's Medusa takes a reduced draft vocabulary only with one shared head "
                           "(original_lm_head); this checkpoint has one trained head per position over "
                           f"{draft.numel()} tokens. Retrain with drafter.lm_head: shared, or draft_vocab_size: null")
-    out = {theirs: weights[ours] for ours, theirs in medusa_vllm_names(heads, layers, shared).items()}
+    out = {theirs: weights[ours] for ours, theirs in names(config, "vllm").items()}
     if shared:
         full = target.lm_head.weight.detach().float().cpu()
         out["lm_heads.0.weight"] = full[draft] if truncated else full
@@ -71,18 +74,6 @@ def medusa_vllm(config, weights, target, dtype, checkpoint):
     return {"model.safetensors": _cast(out, dtype)}, {"config.json": cfg, "README.md": readme}
 
 
-def medusa_vllm_names(heads: int, layers: int, shared: bool) -> dict[str, str]:
-    """draftsmith's Medusa tensor names -> vLLM's (a shared head is the target's lm_head, written apart)."""
-    names = {}
-    for h in range(heads):
-        for l in range(layers):
-            names[f"blocks.{h}.{l}.linear.weight"] = f"blocks.{h}.layers.{l}.weight"
-            names[f"blocks.{h}.{l}.linear.bias"] = f"blocks.{h}.layers.{l}.bias"
-        if not shared:
-            names[f"lm_heads.{h}.weight"] = f"lm_heads.{h}.weight"
-    return names
-
-
 def medusa_original(config, weights, target, dtype, checkpoint):
     arch, info = config["drafter"], config["target"]
     heads, layers, vocab = arch["num_heads"], arch["num_layers"], info["vocab_size"]
@@ -94,13 +85,9 @@ def medusa_original(config, weights, target, dtype, checkpoint):
         raise ExportError(f"this Medusa drafter has {layers} residual layers per head; the original layout's "
                           "readers (TGI, TensorRT-LLM's converter) load exactly one. Export to vllm, or retrain "
                           "with drafter.num_layers: 1")
-    out = {}
-    for h in range(heads):
-        for l in range(layers):
-            out[f"{h}.{l}.linear.weight"] = weights[f"blocks.{h}.{l}.linear.weight"]
-            out[f"{h}.{l}.linear.bias"] = weights[f"blocks.{h}.{l}.linear.bias"]
-        head = weights.get(f"lm_heads.{h}.weight")
-        out[f"{h}.{layers}.weight"] = head if head is not None else target.lm_head.weight.detach().float().cpu()
+    out = {theirs: weights[ours] for ours, theirs in names(config, "medusa-original").items()}
+    if arch["lm_head"] == "shared":         # every head projects through the target's own lm_head
+        out |= {f"{h}.{layers}.weight": target.lm_head.weight.detach().float().cpu() for h in range(heads)}
     cfg = {"medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": info["name"],
            "hidden_size": info["hidden_size"], "vocab_size": vocab}
     readme = _readme(config, checkpoint, "Medusa heads (FasterDecoding layout)",
@@ -110,14 +97,10 @@ def medusa_original(config, weights, target, dtype, checkpoint):
 
 # -- EAGLE-3 -------------------------------------------------------------------------
 
-def _eagle3_tensors(config, weights, dtype, prefix: str = "midlayer.", embed: torch.Tensor | None = None) -> dict:
+def _eagle3_tensors(config, weights, dtype, fmt: str, embed: torch.Tensor | None = None) -> dict:
     vocab = config["target"]["vocab_size"]
-    draft = weights["draft_to_target"].long()
-    out = {}
-    for name, tensor in weights.items():
-        if name == "draft_to_target":
-            continue
-        out[name.replace("midlayer.", prefix)] = tensor
+    draft = weights[VOCABULARY].long()
+    out = {theirs: weights[ours] for ours, theirs in names(config, fmt).items()}
     out["d2t"] = draft - torch.arange(draft.numel())            # target_id = draft_id + d2t[draft_id]
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[draft] = True
@@ -158,14 +141,14 @@ def eagle3_vllm(config, weights, target, dtype, checkpoint):
     command = serving_command(config, "vllm")
     notes = (f"Fused target layers {ids} (vLLM's convention: hidden_states[i], the input of decoder layer i, "
              "the same as draftsmith's). The embedding is taken from the target.")
-    return ({"model.safetensors": _eagle3_tensors(config, weights, dtype)},
+    return ({"model.safetensors": _eagle3_tensors(config, weights, dtype, "vllm")},
             {"config.json": cfg, "README.md": _readme(config, checkpoint, "EAGLE-3 drafter for vLLM", command, notes)})
 
 
 def _verifier_path(config) -> str:
     """A path vLLM can load the target from (the converted directory for an embedded or GGUF target)."""
-    from .assets import resolve_target_path
-    from .drafter import target_path
+    from draftsmith.heads.assets import resolve_target_path
+    from draftsmith.heads.drafter import target_path
 
     try:
         directory, _ = resolve_target_path(target_path(config))
@@ -202,7 +185,7 @@ def eagle3_speculators(config, weights, target, dtype, checkpoint):
     command = serving_command(config, "speculators")
     notes = ("`norm_before_residual: false` is written explicitly: vLLM assumes true for speculators configs that "
              "omit it, which would silently change the drafter.")
-    return ({"model.safetensors": _eagle3_tensors(config, weights, dtype, prefix="layers.0.")},
+    return ({"model.safetensors": _eagle3_tensors(config, weights, dtype, "speculators")},
             {"config.json": cfg, "README.md": _readme(config, checkpoint, "EAGLE-3 drafter (speculators format)",
                                                        command, notes)})
 
@@ -216,7 +199,7 @@ def eagle3_sglang(config, weights, target, dtype, checkpoint):
              f"takes (draftsmith's hidden_states ids {config['target_layer_ids'][:3]} minus one). SGLang skips "
              "unknown weight names silently; the names here are the ones it loads.")
     embed = target.embed_tokens.weight.detach().float().cpu()
-    return ({"model.safetensors": _eagle3_tensors(config, weights, dtype, embed=embed)},
+    return ({"model.safetensors": _eagle3_tensors(config, weights, dtype, "sglang", embed=embed)},
             {"config.json": cfg, "README.md": _readme(config, checkpoint, "EAGLE-3 drafter for SGLang", command, notes)})
 
 
@@ -227,7 +210,7 @@ def eagle3_trtllm(config, weights, target, dtype, checkpoint):
     command = serving_command(config, "trtllm")
     notes = (f"TensorRT-LLM's eagle3_layers_to_capture names decoder layers by their output: {ids} here "
              f"(draftsmith's hidden_states ids {config['target_layer_ids'][:3]} minus one); pass them explicitly.")
-    return ({"model.safetensors": _eagle3_tensors(config, weights, dtype)},
+    return ({"model.safetensors": _eagle3_tensors(config, weights, dtype, "trtllm")},
             {"config.json": cfg, "README.md": _readme(config, checkpoint, "EAGLE-3 drafter for TensorRT-LLM",
                                                        command, notes)})
 
@@ -272,27 +255,3 @@ WRITERS = {
     ("eagle3", "sglang"): eagle3_sglang,
     ("eagle3", "trtllm"): eagle3_trtllm,
 }
-
-
-def import_medusa_original(directory, target):
-    """A FasterDecoding-layout Medusa export as a draftsmith drafter (own full-vocabulary heads)."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    from .medusa import Medusa, MedusaConfig
-
-    directory = Path(directory)
-    cfg = json.loads((directory / "config.json").read_text())
-    heads, layers = cfg["medusa_num_heads"], cfg["medusa_num_layers"]
-    weights = load_file(str(directory / "medusa_lm_head.safetensors"))
-    drafter = Medusa(MedusaConfig(num_heads=heads, num_layers=layers, lm_head="own"), target)
-    state = {"draft_to_target": torch.arange(target.vocab_size)}
-    for h in range(heads):
-        for l in range(layers):
-            state[f"blocks.{h}.{l}.linear.weight"] = weights[f"{h}.{l}.linear.weight"].float()
-            state[f"blocks.{h}.{l}.linear.bias"] = weights[f"{h}.{l}.linear.bias"].float()
-        state[f"lm_heads.{h}.weight"] = weights[f"{h}.{layers}.weight"].float()
-    drafter.load_state_dict(state, strict=True)
-    return drafter

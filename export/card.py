@@ -14,9 +14,9 @@ from pathlib import Path
 
 import yaml
 
-from .assets import looks_like_hub_id
-from .drafter import CONFIG_FILE, WEIGHTS_FILE, read_config, target_path
-from .files import write_atomic
+from draftsmith.heads.assets import looks_like_hub_id
+from draftsmith.heads.drafter import CONFIG_FILE, WEIGHTS_FILE, read_config, target_path
+from draftsmith.heads.files import write_atomic
 
 CARD_FILE = "README.md"
 LAST_EVAL_FILE = "last_eval.json"
@@ -76,7 +76,7 @@ def model_card(directory: Path) -> str:
                       config.get("target_layer_ids")),
                      *[(k, v) for k, v in config["drafter"].items() if not isinstance(v, dict)]]), ""]
     lines += _training_section(recipe, progress) + _measured_section(heldout, last_eval) + _serving_section(config)
-    lines += ["## Load it", "", "```python", "from draftsmith.heads.card import Drafter",
+    lines += ["## Load it", "", "```python", "from draftsmith.export import Drafter",
               'drafter = Drafter.from_pretrained("THIS_DIR_OR_REPO")     # loads the target named above, checks it',
               "```", ""]
     return "\n".join(lines)
@@ -117,8 +117,8 @@ def _measured_section(heldout: dict, last_eval: dict | None) -> list[str]:
 
 
 def _serving_section(config: dict) -> list[str]:
-    from .export import SUPPORTED
-    from .export_formats import serving_command
+    from .core import SUPPORTED
+    from .writers import serving_command
 
     lines = ["## Serve it", ""]
     for fmt in SUPPORTED.get(config["kind"], ()):
@@ -151,7 +151,7 @@ def record_eval(directory: Path, report) -> None:
 def push_folder(checkpoint: Path, staging: Path, export_formats: tuple[str, ...] = (), dtype: str = "bfloat16") -> Path:
     """The folder `draftsmith push` uploads: the checkpoint without its resume state, its card, and an
     export per format in `export-FORMAT/`."""
-    from .export import export
+    from .core import export
 
     checkpoint, staging = Path(checkpoint), Path(staging)
     read_config(checkpoint)                       # a damaged checkpoint is named before anything is copied
@@ -178,8 +178,8 @@ class Drafter:
         """A drafter from a checkpoint directory or a Hub repository holding one (`draftsmith push`), on
         its target: `target` if given (checked against the checkpoint's identity), else the one the
         checkpoint names."""
-        from .device import resolve_device
-        from .drafter import checkpoint_target, load_drafter
+        from draftsmith.heads.device import resolve_device
+        from draftsmith.heads.drafter import checkpoint_target, load_drafter
 
         directory = Path(path_or_repo).expanduser()
         if not directory.is_dir():

@@ -1,10 +1,11 @@
-"""What `draftsmith eval` measures and how: one settings type for the command line (flags and
-`key=value` overrides), a recipe's `eval:` section, the quickstart and the Python API."""
+"""What `draftsmith eval`, and evaluation during training, measure and how: one settings type for the
+command line (flags and `key=value` overrides), a recipe's `eval:` section, the quickstart and the
+Python API."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from draftsmith.heads.config import ConfigError
+from .config import ConfigError
 
 PROPOSALS = ("default", "chain", "tree")
 RULES = ("auto", "greedy", "sampling", "typical")
