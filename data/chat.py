@@ -44,10 +44,15 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
                                          **getattr(tokenizer, "draftsmith_template_kwargs", {}))
 
 
-def assistant_spans(tokenizer, messages: list[dict], add_generation_prompt: bool = False
-                    ) -> tuple[str, list[tuple[int, int]], list[int]]:
-    """The full rendered text, the character spans of its assistant turns, and the indices of the
-    assistant turns the text does not hold as written (a template that rewrites earlier turns)."""
+@dataclass
+class RenderedChat:
+    text: str                       # the whole chat, rendered
+    spans: list[tuple[int, int]]    # character spans of the assistant turns it holds as written
+    rewritten: list[int]            # indices of the assistant turns it does not (the template rewrote them)
+
+
+def assistant_spans(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> RenderedChat:
+    """The rendered chat and where its assistant turns are."""
     text = render(tokenizer, messages, add_generation_prompt=add_generation_prompt)
     spans, rewritten = [], []
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
@@ -65,26 +70,32 @@ def assistant_spans(tokenizer, messages: list[dict], add_generation_prompt: bool
                 "(target.chat_template)")
         else:       # rewritten later (reasoning models drop earlier <think> blocks): trained in a row of its own
             rewritten.append(i)
-    return text, spans, rewritten
+    return RenderedChat(text, spans, rewritten)
 
 
 def tokenize_turns(tokenizer, messages: list[dict], max_length: int | None = None) -> list[TokenizedChat]:
     """Every assistant turn marked once: the whole chat, plus one row per turn the template rewrites
     later (its history and it, only it marked).  One row for templates that render a growing prefix."""
-    _, _, rewritten = assistant_spans(tokenizer, messages)
-    rows = [tokenize_chat(tokenizer, messages, max_length)]
-    return rows + [tokenize_chat(tokenizer, messages[: i + 1], max_length, last_only=True) for i in rewritten]
+    full = assistant_spans(tokenizer, messages)
+    rows = [_tokenize(tokenizer, full.text, full.spans, max_length)]
+    for i in full.rewritten:
+        own = assistant_spans(tokenizer, messages[: i + 1])         # turn i last: held as written
+        rows.append(_tokenize(tokenizer, own.text, own.spans[-1:], max_length))
+    return rows
 
 
 def tokenize_chat(tokenizer, messages: list[dict], max_length: int | None = None,
-                  add_generation_prompt: bool = False, last_only: bool = False) -> TokenizedChat:
-    """Token ids of the rendered chat and a mask that is 1 on assistant tokens only (last_only: on the
-    last assistant turn only).
+                  add_generation_prompt: bool = False) -> TokenizedChat:
+    """Token ids of the rendered chat and a mask that is 1 on assistant tokens only.
 
     With add_generation_prompt the chat ends ready for the next reply (a prompt
     whose earlier assistant turns are still marked)."""
-    text, spans, _ = assistant_spans(tokenizer, messages, add_generation_prompt)
-    spans = spans[-1:] if last_only else spans
+    rendered = assistant_spans(tokenizer, messages, add_generation_prompt)
+    return _tokenize(tokenizer, rendered.text, rendered.spans, max_length)
+
+
+def _tokenize(tokenizer, text: str, spans: list[tuple[int, int]], max_length: int | None) -> TokenizedChat:
+    """`text` as token ids, with 1 in the mask on the tokens that start inside one of `spans`."""
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
     mask = [0] * len(ids)

@@ -327,12 +327,9 @@ def _as_is(target: Target, conv: sources.Conversation, settings: DataSettings) -
     """A conversation as the source wrote it, every assistant turn marked, cut to max_seq_len: one
     record, or more where the template rewrites earlier turns (data/chat.py: tokenize_turns)."""
     rows = tokenize_turns(target.tokenizer, conv.messages, max_length=settings.max_seq_len)
-    records = []
-    for n, chat in enumerate(rows):
-        if sum(chat.loss_mask):
-            records.append({"id": conv.id if n == 0 else f"{conv.id}#turn{n}", "messages": conv.messages,
-                            "input_ids": chat.input_ids, "loss_mask": chat.loss_mask})
-    return records
+    return [{"id": conv.id if n == 0 else f"{conv.id}#turn{n}", "messages": conv.messages,
+             "input_ids": chat.input_ids, "loss_mask": chat.loss_mask}
+            for n, chat in enumerate(rows) if sum(chat.loss_mask)]
 
 
 def check_same_data(out_dir: Path, settings: DataSettings, seed: int, target: Target) -> None:

@@ -259,24 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dry-run", action="store_true", help="print the conversations, tokens, feature-cache "
                        "size against free disk and the minutes a short probe here predicts; write nothing")
 
-    sub.add_parser("recipes", help="list the recipes shipped with draftsmith")
-    p = sub.add_parser("import", help="read a drafter exported for a serving stack back into a draftsmith checkpoint")
-    p.add_argument("source", help="the export's directory")
-    p.add_argument("--from", dest="fmt", required=True,
-                   choices=["vllm", "speculators", "sglang", "trtllm", "medusa-original", "eagle"],
-                   help="the layout it is in (eagle: the EAGLE repository's own EAGLE-3 layout; give --target)")
-    p.add_argument("out_dir")
-    p.add_argument("--target", default=None, help="the target it drafts for (default: the one the export names)")
-    p.add_argument("--device", default="auto")
-    p = sub.add_parser("push", help="upload a checkpoint with its model card to the Hugging Face Hub")
-    p.add_argument("checkpoint")
-    p.add_argument("repo_id", help="owner/name on the Hub (created if missing)")
-    p.add_argument("--export", default=None, help="also upload exports, e.g. vllm or vllm,sglang (in export-FORMAT/)")
-    p.add_argument("--private", action="store_true", help="create the repository private")
-    p = sub.add_parser("show", help="print a recipe as a run reads it: overrides applied, defaults filled in, "
-                                    "each field with its help")
-    p.add_argument("recipe", help="a recipe YAML or a shipped recipe name")
-    p.add_argument("overrides", nargs="*", help="key=value or section.key=value")
+    add_tool_parsers(sub)
 
     p = sub.add_parser("eval", help="acceptance, speedup and exactness of a trained drafter",
                        description="Flags and key=value overrides set the same eval settings (docs/metrics.md); "
@@ -335,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-from .tools import cmd_import, cmd_push, cmd_recipes, cmd_show  # noqa: E402 - they use resolve_recipe
+from .tools import add_tool_parsers, cmd_import, cmd_push, cmd_recipes, cmd_show  # noqa: E402 - they use resolve_recipe
 
 VERBS = {"data": cmd_data, "train": cmd_train, "eval": cmd_eval, "bench": cmd_bench, "quickstart": cmd_quickstart,
          "export": cmd_export, "recipes": cmd_recipes, "show": cmd_show, "push": cmd_push,

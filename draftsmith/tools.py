@@ -7,6 +7,27 @@ from pathlib import Path
 from .cli import resolve_recipe
 
 
+def add_tool_parsers(sub) -> None:
+    """The sub-commands of this file: recipes, show, import, push."""
+    sub.add_parser("recipes", help="list the recipes shipped with draftsmith")
+    p = sub.add_parser("import", help="read a drafter exported for a serving stack back into a draftsmith checkpoint")
+    p.add_argument("source", help="the export's directory")
+    p.add_argument("--from", dest="fmt", required=True,
+                   choices=["vllm", "speculators", "sglang", "trtllm", "medusa-original", "eagle"],
+                   help="the layout it is in (eagle: the EAGLE repository's own EAGLE-3 layout; give --target)")
+    p.add_argument("out_dir")
+    p.add_argument("--target", default=None, help="the target it drafts for (default: the one the export names)")
+    p.add_argument("--device", default="auto")
+    p = sub.add_parser("push", help="upload a checkpoint with its model card to the Hugging Face Hub")
+    p.add_argument("checkpoint")
+    p.add_argument("repo_id", help="owner/name on the Hub (created if missing)")
+    p.add_argument("--export", default=None, help="also upload exports, e.g. vllm or vllm,sglang (in export-FORMAT/)")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p = sub.add_parser("show", help="print a recipe as a run reads it: overrides applied, defaults filled in, "
+                                    "each field with its help")
+    p.add_argument("recipe", help="a recipe YAML or a shipped recipe name")
+    p.add_argument("overrides", nargs="*", help="key=value or section.key=value")
+
 
 def shipped_recipes() -> dict[str, Path]:
     folder = resources.files("draftsmith.recipes")

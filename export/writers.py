@@ -133,11 +133,15 @@ def _output_convention(layer_ids: list[int], stack: str) -> list[int]:
     return [i - 1 for i in layer_ids]
 
 
+def _eagle3_config(config, dtype, ids: list[int]) -> dict:
+    """`LlamaForCausalLMEagle3`'s config.json, fusing the target layers `ids` (in the stack's convention)."""
+    return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(config, dtype),
+            "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids}}
+
+
 def eagle3_vllm(config, weights, target, dtype, checkpoint):
     ids = config["target_layer_ids"][:3]
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(config, dtype),
-           "eagle_aux_hidden_state_layer_ids": ids,
-           "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids}}
+    cfg = {**_eagle3_config(config, dtype, ids), "eagle_aux_hidden_state_layer_ids": ids}
     command = serving_command(config, "vllm")
     notes = (f"Fused target layers {ids} (vLLM's convention: hidden_states[i], the input of decoder layer i, "
              "the same as draftsmith's). The embedding is taken from the target.")
@@ -192,8 +196,7 @@ def eagle3_speculators(config, weights, target, dtype, checkpoint):
 
 def eagle3_sglang(config, weights, target, dtype, checkpoint):
     ids = _output_convention(config["target_layer_ids"][:3], "SGLang")
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(config, dtype),
-           "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids}}
+    cfg = _eagle3_config(config, dtype, ids)
     command = serving_command(config, "sglang")
     notes = (f"Fused layers written as {ids}: SGLang names a fused layer by the decoder layer whose output it "
              f"takes (draftsmith's hidden_states ids {config['target_layer_ids'][:3]} minus one). SGLang skips "
@@ -205,8 +208,7 @@ def eagle3_sglang(config, weights, target, dtype, checkpoint):
 
 def eagle3_trtllm(config, weights, target, dtype, checkpoint):
     ids = _output_convention(config["target_layer_ids"][:3], "TensorRT-LLM")
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(config, dtype),
-           "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids}}
+    cfg = _eagle3_config(config, dtype, ids)
     command = serving_command(config, "trtllm")
     notes = (f"TensorRT-LLM's eagle3_layers_to_capture names decoder layers by their output: {ids} here "
              f"(draftsmith's hidden_states ids {config['target_layer_ids'][:3]} minus one); pass them explicitly.")

@@ -95,9 +95,9 @@ def registry() -> dict:
 def describe(drafter) -> dict:
     """The part of a checkpoint's config.json that says what its tensors are: kind, drafter settings,
     target shape fields and architecture (what `parameter_layout` reads)."""
+    architecture = drafter.architecture()
     return {"kind": drafter.checkpoint_kind, "drafter": dataclasses.asdict(drafter.config),
-            "target": drafter.target_identity.to_dict(),
-            **({"architecture": drafter.architecture()} if drafter.architecture() else {})}
+            "target": drafter.target_identity.to_dict(), **({"architecture": architecture} if architecture else {})}
 
 
 def save_drafter(drafter, directory: Path, extra: dict | None = None, state: dict | None = None) -> None:

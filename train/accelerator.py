@@ -43,7 +43,7 @@ def make_accelerator(recipe: Recipe):
     elif settings.report_to == "tensorboard":
         log_with = "tensorboard"
     from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import DataLoaderConfiguration
+    from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs
 
     # accelerate keeps one process-wide state; a second fit() in the same process (a notebook, a sweep)
     # may ask for another precision, so the per-run part is cleared (the process group is kept)
@@ -55,6 +55,9 @@ def make_accelerator(recipe: Recipe):
         # the sampler builds global batches (batch_size x processes) and each process takes its slice,
         # so what a step sees does not depend on how many processes share it
         dataloader_config=DataLoaderConfiguration(split_batches=True),
+        # a drafter's buffers (its draft-vocabulary maps, rotary frequencies) are equal on every process by
+        # construction and never trained: DDP need not send them from rank 0 before every forward
+        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
         project_config=ProjectConfiguration(project_dir=str(recipe.out), logging_dir=str(recipe.out / "logs")))
     if launcher and accelerator.distributed_type == DistributedType.MULTI_CPU:
         (_fsdp_on_cpu if launcher == "fsdp" else _deepspeed_on_cpu)(accelerator)
