@@ -85,10 +85,42 @@ def resolve_target_path(path: str, trust_remote_code: bool = False) -> tuple[Pat
         f"the local cache, or one of the embedded targets: {', '.join(EMBEDDED_TARGETS)}")
 
 
+def gguf_sha256(gguf_path: Path) -> str:
+    """The file's content hash, remembered per (path, size, mtime) so each copy is read once.
+
+    The conversion is keyed by content, not by path: every virtual environment installs its own copy
+    of the embedded target, and a path key converted (and stored, 540 MB each) once per environment."""
+    import json
+
+    from .files import write_atomic
+
+    stat = gguf_path.stat()
+    seen = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    index_file = cache_root() / "targets" / "gguf-sha256.json"
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if seen not in index:
+        digest = hashlib.sha256()
+        with open(gguf_path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+        index = {k: v for k, v in index.items() if Path(k.rsplit(":", 2)[0]).exists()}   # copies since deleted
+        index[seen] = digest.hexdigest()
+        try:
+            index_file.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(index_file, json.dumps(index, indent=0, sort_keys=True))
+        except OSError as err:              # a read-only cache still converts; it only hashes again next time
+            log.debug("could not remember the hash of %s: %s", gguf_path, err)
+    return index[seen]
+
+
 def convert_gguf(gguf_path: Path, name: str) -> Path:
     """Convert a GGUF file once into a Hugging Face checkpoint directory; return that directory."""
-    stat = gguf_path.stat()
-    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    import transformers
+
+    key = hashlib.sha1(f"{gguf_sha256(gguf_path)}:{transformers.__version__}".encode()).hexdigest()[:12]
     out = cache_root() / "targets" / f"{name}-{key}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out

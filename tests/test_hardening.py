@@ -284,6 +284,41 @@ def test_13_full_disk_is_named_with_the_space_needed(trained, tmp_path, capsys, 
     assert not list((tmp_path / "run" / "data" / "shards").glob("*.jsonl"))
 
 
+def test_13_a_time_capped_run_needs_room_for_its_first_shards_not_for_every_conversation(tmp_path, monkeypatch,
+                                                                                            caplog):
+    """ShareGPT's 17k conversations with an EAGLE-3 cache would need ~40 GB; a 20-minute run makes a few GB."""
+    import logging
+    import shutil
+    from types import SimpleNamespace
+
+    from draftsmith.data import distill
+    from draftsmith.heads.files import StorageError
+
+    target = SimpleNamespace(hidden_size=64)
+    batches = [[None] * 8 for _ in range(20)]
+    capped = distill.DataSettings(batch_size=8, max_minutes=1.0)
+
+    def needs(conversations):
+        tokens = conversations * (capped.max_prompt_tokens + capped.max_new_tokens)
+        return tokens * distill.JSONL_BYTES_PER_TOKEN + distill.feature_cache.estimate_bytes(tokens, [1, 2], 64)
+
+    first = 8 * distill.IN_FLIGHT_SHARDS
+    usage = shutil.disk_usage(tmp_path)
+    for free, settings, refusal in [
+            (needs(first) + 10, capped, None),
+            (needs(first) - 10, capped, rf"the first {first} conversations of data needs about"),
+            (needs(first) + 10, distill.DataSettings(batch_size=8), r"the data for 160 conversations needs about")]:
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: usage._replace(free=free))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            if refusal is None:
+                distill._check_space(target, settings, tmp_path, batches, [1, 2], tmp_path / "features")
+                assert "all 160 conversations would need about" in caplog.text and "data.max_minutes=1.0" in caplog.text
+            else:
+                with pytest.raises(StorageError, match=refusal):
+                    distill._check_space(target, settings, tmp_path, batches, [1, 2], tmp_path / "features")
+
+
 def test_13_a_feature_cache_the_disk_cannot_hold_is_refused_before_it_is_written(trained, tiny_target, tmp_path,
                                                                                     monkeypatch):
     """Data made without a cache, then a cache for it: refused with both numbers, nothing written."""
