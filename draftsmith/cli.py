@@ -189,7 +189,8 @@ def cmd_bench(args) -> dict:
                              cost_per_hour=args.cost_per_hour, seed=args.seed, dtype=args.dtype,
                              device=args.device, target=args.target, adapter=args.adapter, engine=engine, concurrency=concurrency,
                              vllm_python=args.vllm_python, num_speculative_tokens=args.num_speculative_tokens,
-                             endpoint=args.endpoint, baseline_endpoint=args.baseline_endpoint, lookup=args.lookup)
+                             endpoint=args.endpoint, baseline_endpoint=args.baseline_endpoint, lookup=args.lookup,
+                             against=args.against)
     out = Path(args.out)
     try:
         report = bench(args.checkpoint, settings, out)
@@ -244,6 +245,9 @@ def _bench_parser(sub) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step (vllm engine)")
     p.add_argument("--lookup", type=int, default=0, metavar="K", help="draftsmith engine: also propose K tokens "
                    "copied from the context, merged into the drafter's tree (default 0: off)")
+    p.add_argument("--against", default="plain", choices=["plain", "ngram"], help="vllm engine: what the drafter is "
+                   "timed against, interleaved: plain decoding (default) or vLLM's ngram speculation (the free "
+                   "drafter, with --num-speculative-tokens and prompt_lookup_max 3)")
 
 
 def build_parser() -> argparse.ArgumentParser:

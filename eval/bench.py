@@ -31,6 +31,7 @@ from .traffic import Traffic, load_traffic
 log = logging.getLogger(__name__)
 
 NGRAM = "ngram"                  # in place of a checkpoint: vLLM's prompt-lookup speculation, nothing trained
+AGAINST = ("plain", NGRAM)        # what the drafter is timed against: no speculation, or vLLM's ngram
 ENGINES = ("draftsmith", "vllm", "endpoint")
 BOOTSTRAP_SAMPLES = 1000
 INTERVAL = (0.05, 0.95)          # the bootstrap interval's quantiles: a 90% interval
@@ -155,6 +156,7 @@ class BenchSettings:
     endpoint: str | None = None               # a running server with the drafter (engine "endpoint")
     baseline_endpoint: str | None = None      # the same target served without it
     lookup: int = 0                           # draftsmith engine: context-lookup tokens merged into each tree
+    against: str = "plain"                    # vllm engine: the baseline engine, plain or ngram (vLLM's prompt lookup)
 
     def __post_init__(self):
         self.temperatures = tuple(float(t) for t in self.temperatures)
@@ -178,6 +180,11 @@ class BenchSettings:
                              f"the drafter's tree); got {self.lookup} with engine '{self.engine}'")
         if self.num_speculative_tokens < 1:
             raise BenchError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.against not in AGAINST:
+            raise BenchError(f"--against must be one of {', '.join(AGAINST)}, got '{self.against}'")
+        if self.against != "plain" and self.engine != "vllm":
+            raise BenchError(f"--against {self.against} is vLLM's own speculation: it needs --engine vllm, not "
+                             f"'{self.engine}'")
         for name in ("limit", "max_new_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise BenchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -280,6 +287,9 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
             raise BenchError("'ngram' is vLLM's own prompt-lookup speculation, with nothing trained: bench it with "
                              "--engine vllm --target MODEL (the model to serve)")
         config = {"kind": NGRAM}
+        if settings.against == NGRAM:
+            raise BenchError("'ngram' against --against ngram would time vLLM's prompt lookup against itself: give a "
+                             "trained checkpoint, or drop --against")
     else:
         config = read_config(checkpoint)     # a damaged or missing checkpoint is named before anything loads
     out_dir = Path(out_dir).expanduser()
@@ -311,12 +321,15 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
     report = {
         "checkpoint": str(checkpoint), "kind": config.get("kind"), "target": str(target_path), "device": measured["device"],
         "dtype": measured["dtype"], "proposal": measured["proposal"], "engine": measured["engine"],
+        "baseline": measured.get("baseline", "plain"),
         "concurrency": list(settings.concurrency), "settings": dataclasses.asdict(settings),
         "complete": measured["complete"],
         "traffic": {"source": settings.traffic, "available": traffic.available,
                     "sampled": {c: sum(r.category == c for r in traffic.requests) for c in traffic.available},
                     "skipped_without_prompt": traffic.skipped_without_prompt},
-        "results": results, "recommendation": recommendation(results),
+        "results": results, "recommendation": (recommendation(results) if settings.against == "plain" else
+                                               f"the drafter against {measured['baseline']} (switch on: the "
+                                               f"drafter is faster): {recommendation(results)}"),
         "interval": f"{round((INTERVAL[1] - INTERVAL[0]) * 100)}% bootstrap over (request, repeat) pairs",
         "seconds": time.time() - started,
         "runs": [dataclasses.asdict(r) for r in runs],

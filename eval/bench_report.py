@@ -43,7 +43,7 @@ def level_name(level: dict) -> str:
 
 
 def header_lines(report: dict) -> list[str]:
-    settings, traffic = report["settings"], report["traffic"]
+    settings, traffic, baseline = report["settings"], report["traffic"], report.get("baseline", "plain")
     sampled = ", ".join(f"{c} {n}/{traffic['available'][c]}" for c, n in traffic["sampled"].items())
     lines = [
         f"{report['kind']} drafter on {report['target']} ({report['dtype']}, {report['device']}), proposal "
@@ -51,8 +51,10 @@ def header_lines(report: dict) -> list[str]:
         f"traffic {traffic['source']}: requests per category sampled/available: {sampled}"
         + (f"; lines without a prompt skipped: {traffic['skipped_without_prompt']}"
            if traffic["skipped_without_prompt"] else ""),
-        f"{settings['repeats']} repeats, with and without the drafter interleaved; up to {settings['max_new_tokens']} "
-        f"new tokens; speedup = plain s per token / speculative s per token, interval: {report['interval']}; "
+        (f"{settings['repeats']} repeats, with and without the drafter interleaved" if baseline == "plain" else
+         f"{settings['repeats']} repeats, the drafter against {baseline} interleaved (before = {baseline})")
+        + f"; up to {settings['max_new_tokens']} new tokens; speedup = {'plain' if baseline == 'plain' else 'baseline'} "
+        f"s per token / speculative s per token, interval: {report['interval']}; "
         f"{report['seconds'] / 60:.1f} min",
     ]
     if not report["complete"]:
@@ -127,7 +129,7 @@ def speedup_figure(plt, levels: list[dict]):
         ax.bar([i + k * width for i in range(len(names))], speed, width, yerr=err, capsize=3, label=level_name(level))
     ax.set_xticks([i + width * (len(levels) - 1) / 2 for i in range(len(names))], names, rotation=30, ha="right")
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_ylabel("speedup (plain / speculative s per token)")
+    ax.set_ylabel("speedup (before / after s per token)")
     ax.legend(fontsize=7)
     return fig
 
@@ -139,7 +141,7 @@ def latency_figure(plt, level: dict):
                            (axes[1], "total_p50_s", "total time p50 (s)")):
         for k, mode in enumerate(("plain", "speculative")):
             ax.bar([i + k * 0.4 for i in range(len(names))], [groups[c][mode][key] for c in names], 0.4,
-                   label="before (plain)" if mode == "plain" else "after (speculative)")
+                   label="before" if mode == "plain" else "after (the drafter)")
         ax.set_xticks([i + 0.2 for i in range(len(names))], names, rotation=30, ha="right")
         ax.set_ylabel(label)
     axes[0].legend()

@@ -185,7 +185,10 @@ def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSet
         return workers[mode].ask({"requests": requests, "concurrency": concurrency, "temperature": temperature,
                                   "seed": seed})
     try:
-        workers["plain"] = Worker(python, common, out_dir / "vllm-plain.log")
+        # the "plain" side is the baseline: the bare target, or vLLM's prompt lookup (--against ngram)
+        baseline = common if settings.against == "plain" else common + [
+            "--method", "ngram", "--k", str(settings.num_speculative_tokens)]
+        workers["plain"] = Worker(python, baseline, out_dir / "vllm-plain.log")
         workers["speculative"] = Worker(python, common + drafter, out_dir / "vllm-speculative.log")
         measured = sweep_levels(serve, traffic, settings, progress)
     finally:
@@ -193,5 +196,7 @@ def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSet
             worker.close()
     return {**measured,
             "engine": f"vLLM {version} (offline engine; requests in flight = concurrency)",
+            "baseline": ("plain" if settings.against == "plain" else
+                         f"vLLM ngram (num_speculative_tokens {settings.num_speculative_tokens}, prompt_lookup_max 3)"),
             "device": "vLLM's device",
             "proposal": f"chain of {settings.num_speculative_tokens} ({method})", "dtype": dtype}

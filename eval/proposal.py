@@ -56,13 +56,27 @@ def block_cost(target: Target, sizes: list[int], context: int = 200, repeats: in
     return {n: sorted(ts)[len(ts) // 2] for n, ts in times.items()}
 
 
+def nondecreasing(costs: dict[int, float]) -> dict[int, float]:
+    """The closest costs (least squares) that never fall as the block grows: a forward over more tokens is
+    not cheaper, so where a larger block measured cheaper, noise did it, and both get their mean
+    (pool-adjacent-violators).  Without this the tuner's pick among near-equal sizes follows the noise."""
+    blocks: list[list[float]] = []                       # [mean, count] of pooled runs, in size order
+    for n in sorted(costs):
+        blocks.append([costs[n], 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    fitted = [mean for mean, count in blocks for _ in range(count)]
+    return dict(zip(sorted(costs), fitted))
+
+
 def tune_tree_size(drafter, target: Target, lookup: int = 0) -> int:
     """The static tree size with the best expected tokens per second on this machine.
 
     `lookup`: nodes a context lookup may add to every tree, costed with it (what it accepts is not
     modelled, and does not depend much on the tree's size)."""
     sizes = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
-    costs = block_cost(target, [s + 1 + lookup for s in sizes])
+    costs = nondecreasing(block_cost(target, [s + 1 + lookup for s in sizes]))
     rates = drafter.metadata.get("topk_accuracy")
     best = max(sizes, key=lambda s: (1 + drafter.default_tree(s).expected_accepted(rates or [[0.0]]))
                / costs[s + 1 + lookup] if rates else -s)

@@ -90,6 +90,7 @@ def test_the_verdict_follows_the_speedup_interval(plain, spec, expected):
     (["--concurrency", "4"], "the draftsmith engine serves one request at a time"),
     (["--engine", "sglang"], "--engine must be one of draftsmith, vllm"),
     (["--engine", "vllm", "--lookup", "2"], "--lookup must be >= 0 and is draftsmith's own"),
+    (["--against", "ngram"], "--against ngram is vLLM's own speculation: it needs --engine vllm"),
     (["--engine", "vllm", "--vllm-python", "/nonexistent/python"], "--vllm-python '/nonexistent/python' is not a file"),
 ])
 def test_bad_bench_settings_are_one_clear_line(checkpoint, tmp_path, capsys, flags, message):

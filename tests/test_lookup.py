@@ -1,5 +1,6 @@
 """Context lookup merged into a drafter's tree: what it proposes, how it merges, and that it stays lossless."""
 
+import pytest
 import torch
 from draftsmith.heads.verifier import decode
 from draftsmith.heads.lookup import WithLookup, lookup, merge_chain
@@ -87,3 +88,12 @@ def test_sampling_with_the_lookup_keeps_the_target_distribution(small_vocab_targ
         counts[out.tokens[0], out.tokens[1]] += 1
     assert chi_square_p_value(counts, expected) > 1e-3
     assert drafter.accepted["lookup"] > 0
+
+
+def test_forward_costs_are_fitted_nondecreasing_before_the_tree_is_chosen():
+    from draftsmith.eval.proposal import nondecreasing
+
+    assert nondecreasing({1: 30.0, 2: 31.0, 4: 35.0}) == {1: 30.0, 2: 31.0, 4: 35.0}      # already in order
+    fitted = nondecreasing({1: 30.0, 5: 36.0, 9: 34.0, 13: 35.0, 17: 40.0})
+    assert fitted == pytest.approx({1: 30.0, 5: 35.0, 9: 35.0, 13: 35.0, 17: 40.0})      # 36, 34, 35 pooled
+    assert list(fitted.values()) == sorted(fitted.values())

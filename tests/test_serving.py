@@ -216,3 +216,20 @@ def test_bench_through_vllm_at_two_load_levels_keeps_greedy_text(default_run, vl
         assert groups["all"]["speculative"]["tokens_per_s_batch"] > 0
     assert (out / "speedup-by-concurrency.png").is_file()
     assert "concurrency 4" in report["recommendation"]
+
+
+def test_bench_against_vllm_ngram_times_the_drafter_against_the_free_one(default_run, vllm_python, tmp_path):
+    """`--against ngram`: the baseline engine is vLLM's prompt lookup, interleaved with the drafter's; both
+    are lossless, so greedy fp32 text is identical on both sides."""
+    from draftsmith.cli import main
+
+    out = tmp_path / "bench"
+    argv = ["bench", str(default_run["eagle3"]), "--engine", "vllm", "--vllm-python", vllm_python, "--against",
+            "ngram", "--prompts", "humaneval", "--limit", "1", "--repeats", "1", "--max-new-tokens", "24",
+            "--dtype", "float32", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["baseline"].startswith("vLLM ngram")
+    assert "the drafter against vLLM ngram" in (out / "report.md").read_text()
+    assert report["results"][0]["groups"]["all"]["identical_text"] == 1.0
+    assert "ngram" in (out / "vllm-plain.log").read_text()
