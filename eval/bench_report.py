@@ -52,7 +52,7 @@ def header_lines(report: dict) -> list[str]:
         + (f"; lines without a prompt skipped: {traffic['skipped_without_prompt']}"
            if traffic["skipped_without_prompt"] else ""),
         (f"{settings['repeats']} repeats, with and without the drafter interleaved" if baseline == "plain" else
-         f"{settings['repeats']} repeats, the drafter against {baseline} interleaved (before = {baseline})")
+         f"{settings['repeats']} repeats, the drafter against {baseline} interleaved (before: the baseline)")
         + f"; up to {settings['max_new_tokens']} new tokens; speedup = {'plain' if baseline == 'plain' else 'baseline'} "
         f"s per token / speculative s per token, interval: {report['interval']}; "
         f"{report['seconds'] / 60:.1f} min",
