@@ -307,37 +307,32 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
 
 def _check_space(target: Target, settings: DataSettings, out_dir: Path, batches, capture_layers, features_dir):
     """Refuse to start when the disk cannot hold what the unfinished shards may need (an upper bound).
-
-    Under data.max_minutes the run makes what the minutes allow, not every conversation: only the
-    shards that are in flight together at the start must fit, and a full disk later stops the run
-    with its finished shards kept (heads/files.py: describe_os_error)."""
+    Under data.max_minutes only the shards in flight together at the start must fit: the cap stops the
+    run long before the source is used up, and a full disk later keeps the finished shards."""
     regenerated = settings.max_prompt_tokens + settings.max_new_tokens
     per_conversation = {"prefill": settings.max_seq_len, "regenerate": regenerated}.get(
         settings.mode, max(settings.max_seq_len, regenerated))
     todo = [len(b) for i, b in enumerate(batches) if not (out_dir / "shards" / f"shard-{i:05d}.jsonl").exists()]
 
-    def bound(conversations: int) -> int:
+    def bound(conversations: int, cache_only: bool = False) -> int:
         tokens = conversations * per_conversation
         cache = feature_cache.estimate_bytes(tokens, capture_layers, target.hidden_size) if capture_layers else 0
-        return tokens * JSONL_BYTES_PER_TOKEN + cache
+        return cache if cache_only else tokens * JSONL_BYTES_PER_TOKEN + cache
 
-    everything = bound(sum(todo))
+    everything, free = bound(sum(todo)), free_bytes(out_dir)
     if capture_layers:
         log.info("feature cache %s: at most %.0f MB (layers %s, bf16)", features_dir,
-                 (everything - sum(todo) * per_conversation * JSONL_BYTES_PER_TOKEN) / 1e6, capture_layers)
-    if settings.max_minutes is None or everything <= free_bytes(out_dir):
-        require_free_space(out_dir, everything, f"the data for {sum(todo)} conversations")
-        return
+                 bound(sum(todo), cache_only=True) / 1e6, capture_layers)
+    if settings.max_minutes is None or everything <= free:
+        return require_free_space(out_dir, everything, f"the data for {sum(todo)} conversations")
     first = sum(todo[:IN_FLIGHT_SHARDS])
     require_free_space(out_dir, bound(first), f"the first {first} conversations of data")
     log.warning("all %d conversations would need about %s at '%s' (%s free); data.max_minutes=%s stops this run "
                 "earlier, and if the disk fills first the finished shards are kept", sum(todo),
-                human_size(everything), out_dir, human_size(free_bytes(out_dir)), settings.max_minutes)
+                human_size(everything), out_dir, human_size(free), settings.max_minutes)
 
 
 IN_FLIGHT_SHARDS = 4           # the regeneration engine refills one batch from the next shards
-
-
 JSONL_BYTES_PER_TOKEN = 40     # a token id, its loss mask and the chat text in a shard line, generously
 
 
