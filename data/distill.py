@@ -307,6 +307,7 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
 
 def _check_space(target: Target, settings: DataSettings, out_dir: Path, batches, capture_layers, features_dir):
     """Refuse to start when the disk cannot hold what the unfinished shards may need (an upper bound).
+
     Under data.max_minutes only the shards in flight together at the start must fit: the cap stops the
     run long before the source is used up, and a full disk later keeps the finished shards."""
     regenerated = settings.max_prompt_tokens + settings.max_new_tokens
@@ -314,17 +315,20 @@ def _check_space(target: Target, settings: DataSettings, out_dir: Path, batches,
         settings.mode, max(settings.max_seq_len, regenerated))
     todo = [len(b) for i, b in enumerate(batches) if not (out_dir / "shards" / f"shard-{i:05d}.jsonl").exists()]
 
-    def bound(conversations: int, cache_only: bool = False) -> int:
+    def cache(conversations: int) -> int:
         tokens = conversations * per_conversation
-        cache = feature_cache.estimate_bytes(tokens, capture_layers, target.hidden_size) if capture_layers else 0
-        return cache if cache_only else tokens * JSONL_BYTES_PER_TOKEN + cache
+        return feature_cache.estimate_bytes(tokens, capture_layers, target.hidden_size) if capture_layers else 0
+
+    def bound(conversations: int) -> int:
+        return conversations * per_conversation * JSONL_BYTES_PER_TOKEN + cache(conversations)
 
     everything, free = bound(sum(todo)), free_bytes(out_dir)
     if capture_layers:
-        log.info("feature cache %s: at most %.0f MB (layers %s, bf16)", features_dir,
-                 bound(sum(todo), cache_only=True) / 1e6, capture_layers)
+        log.info("feature cache %s: at most %.0f MB (layers %s, bf16)", features_dir, cache(sum(todo)) / 1e6,
+                 capture_layers)
     if settings.max_minutes is None or everything <= free:
-        return require_free_space(out_dir, everything, f"the data for {sum(todo)} conversations")
+        require_free_space(out_dir, everything, f"the data for {sum(todo)} conversations")
+        return
     first = sum(todo[:IN_FLIGHT_SHARDS])
     require_free_space(out_dir, bound(first), f"the first {first} conversations of data")
     log.warning("all %d conversations would need about %s at '%s' (%s free); data.max_minutes=%s stops this run "
