@@ -25,6 +25,7 @@ from .drafter import DraftContext, StepOutput, divide, term_denominators
 from .dynamic_tree import TreeSettings
 from .eagle_decoding import EagleDecoding
 from .eagle_layer import layer_layout, DraftLayer, Rotary, layer_shape_from_target
+from .soft_loss import soft_cross_entropy
 from .target import Target
 
 
@@ -137,10 +138,10 @@ class Eagle(EagleDecoding, DrafterBase):
                               denominator)                                              # mean over positions and dims
         with torch.no_grad():
             target_probs = torch.softmax(self.logits(wanted).float(), dim=-1)
-        log_q = torch.log_softmax(self.logits(mine).float(), dim=-1)
-        token_loss = divide(-(target_probs * log_q).sum(), denominator)
+        per_position, guess = soft_cross_entropy(self.logits(mine), target_probs)
+        token_loss = divide(per_position.sum(), denominator)
         loss = self.config.feature_weight * feature_loss + self.config.token_weight * token_loss
-        correct = (log_q.argmax(-1) == target_probs.argmax(-1)).sum().float()[None]
+        correct = (guess == target_probs.argmax(-1)).sum().float()[None]
         return StepOutput(loss=loss, correct=correct, counted=scored.sum().float()[None])
 
     @staticmethod
