@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/draftsmith quickstart
+	$(BIN)/draftsmith quickstart
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

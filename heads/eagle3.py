@@ -43,7 +43,7 @@ class TargetDistribution:
     positions: torch.Tensor   # [m] j
     probs: torch.Tensor       # [m, v] over the draft vocabulary
     top: torch.Tensor         # [m] argmax of probs (a draft-vocabulary index)
-    in_vocab: torch.Tensor    # [m] a draft-vocabulary token reaches the target's top logit (its argmax, up to ties)
+    in_vocab: torch.Tensor    # [m] the target's argmax over its whole vocabulary is a draft-vocabulary token
 
 
 @dataclass
@@ -178,16 +178,16 @@ class Eagle3(EagleDecoding, DrafterBase):
     @torch.no_grad()
     def _target_distribution(self, batch: dict) -> TargetDistribution:
         """At every position j whose next token is a reply token: the target's distribution over the
-        draft vocabulary and whether its top token is in it."""
+        draft vocabulary and whether its argmax is in it."""
         final = batch["features"][self.target.num_layers]                         # [b, s, T]
         wanted = F.pad(batch["loss_mask"][:, 1:], (0, 1)).bool()                   # j predicts token j+1
         rows, positions = wanted.nonzero(as_tuple=True)
         probs, top, ok = [], [], []
         for chunk in final[wanted].split(1024):
             logits = self.target.compute_logits(chunk)                            # [c, V], the target's dtype
-            mine = logits[:, self.draft_to_target]
-            ok.append(mine.amax(-1) >= logits.amax(-1))      # amax: a sixteenth of argmax's time on 2 cores
-            draft = torch.softmax(mine.float(), dim=-1)
+            # max(-1).indices is argmax (the first of tied maxima) at a quarter of argmax's time on 2 cores
+            ok.append(self.target_to_draft[logits.max(-1).indices] >= 0)
+            draft = torch.softmax(logits[:, self.draft_to_target].float(), dim=-1)
             probs.append(draft)
             top.append(draft.argmax(-1))
         v = self.draft_to_target.numel()
