@@ -36,7 +36,7 @@ from draftsmith.heads.target import Target
 
 from . import features as feature_cache
 from . import sources
-from .chat import tokenize_turns
+from .chat import tokenize_chat, tokenize_turns
 from .regenerate import Regenerator, ShardWork, regenerate_batch
 
 log = logging.getLogger(__name__)
@@ -213,19 +213,20 @@ def plan_batches(convs: list[sources.Conversation], batch_size: int, seed: int) 
 
 
 def write_shard(target: Target, out_dir: Path, index: int, records: list[dict], capture_layers,
-                features_dir: Path, name: str | None = None) -> None:
+                features_dir: Path, name: str | None = None, max_tokens: int | None = None) -> None:
     """Features first, then the shard (its existence marks the shard done), each atomically.
-    `name`: a part of the shard (kept at a time cap; see `shard_parts`) instead of the shard itself."""
+    `name`: a part of the shard (kept at a time cap; see `shard_parts`) instead of the shard itself.
+    `max_tokens`: features are kept for the tokens training reads (data.max_seq_len), the shard whole."""
     name = name or f"shard-{index:05d}"
     if capture_layers and any(r.get("features") is None for r in records):
-        # prefill (and vLLM) shards: one forward of the target over every token
-        computed = feature_cache.compute_features(target, records, capture_layers)
+        # prefill (and vLLM) shards: one forward of the target over every token training reads
+        computed = feature_cache.compute_features(target, records, capture_layers, max_tokens=max_tokens)
         for record, feats in zip(records, computed):
             record["features"] = feats
     if capture_layers:
         feature_cache.write_shard(features_dir / f"{name}.safetensors",
                                   [r.pop("features") for r in records], capture_layers,
-                                  target.identity.weights_sha256)
+                                  target.identity.weights_sha256, max_tokens)
     for r in records:
         r.pop("features", None)
     write_atomic(out_dir / "shards" / f"{name}.jsonl",
@@ -263,12 +264,12 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
         bar.set_postfix_str(f"{new_tokens[0] / max(time.time() - start, 1e-6):.0f} tok/s", refresh=False)
 
     def write(index: int, records: list[dict]) -> None:
-        write_shard(target, out_dir, index, records, capture_layers, features_dir)
+        write_shard(target, out_dir, index, records, capture_layers, features_dir, max_tokens=settings.max_seq_len)
         bar.update(len(batches[index]))
 
     def write_part(index: int, records: list[dict]) -> None:
         name = f"shard-{index:05d}.part{len(shard_parts(out_dir, index))}"
-        write_shard(target, out_dir, index, records, capture_layers, features_dir, name)
+        write_shard(target, out_dir, index, records, capture_layers, features_dir, name, settings.max_seq_len)
 
     # draftsmith's engine keeps one batch full across shards; vLLM batches on its own (no features)
     deadline = start + settings.max_minutes * 60 if settings.max_minutes is not None else None
@@ -305,32 +306,88 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
     return finish(out_dir, settings, stats, counts, seconds)
 
 
+@dataclass
+class LengthEstimate:
+    """Tokens per conversation a data run writes: whole (the JSONL shards) and cut to data.max_seq_len
+    (the feature cache), with where the figure comes from."""
+    tokens: float
+    cached_tokens: float
+    source: str
+
+
+PROBE_CONVERSATIONS = 32
+PROBE_MARGIN = {"prefill": 1.1, "regenerate": 1.5, "mix": 1.5}   # the target's replies may outrun the source's
+
+
+def estimate_lengths(target: Target, settings: DataSettings, out_dir: Path, batches) -> LengthEstimate:
+    """Measured, never the per-conversation maximum: the shards made so far (up to 16 of them), else a
+    probe of the source's own conversations as they will be cut, the source's replies standing in for
+    the target's (times a margin, capped at what a reply may be)."""
+    made = shard_paths(out_dir)[:16]
+    if made:
+        records = [r for shard in made for r in read_shard(shard)]
+        conversations = max(1, len({r["id"].split("#turn")[0] for r in records}))
+        whole = sum(len(r["input_ids"]) for r in records)
+        cached = sum(min(len(r["input_ids"]), settings.max_seq_len) for r in records)
+        return LengthEstimate(whole / conversations, cached / conversations,
+                              f"measured on the {len(made)} shard(s) made so far ({conversations} conversations)")
+    pool = [c for b in batches for c in b]
+    sample = random.Random(0).sample(pool, min(PROBE_CONVERSATIONS, len(pool)))
+    bound = settings.max_prompt_tokens + settings.max_turns * settings.max_new_tokens
+    whole = cached = 0.0
+    for conv in sample:
+        messages, turns = [], 0
+        for m in conv.messages:
+            if m["role"] == "assistant" and settings.mode != "prefill" and turns == settings.max_turns:
+                break
+            messages.append(m)
+            turns += m["role"] == "assistant"
+        try:
+            n = len(tokenize_chat(target.tokenizer, messages).input_ids)
+        except Exception:  # noqa: BLE001 - a chat the template refuses is skipped by the run too
+            continue
+        if settings.mode != "prefill":
+            n = min(n + (settings.max_new_tokens if turns == 0 else 0), bound)    # a prompt without a reply
+        whole += n
+        cached += min(n, settings.max_seq_len)
+    margin = PROBE_MARGIN[settings.mode]
+    count = max(1, len(sample))
+    upper = settings.max_seq_len if settings.mode == "prefill" else bound
+    return LengthEstimate(min(whole / count * margin, upper), min(cached / count * margin, settings.max_seq_len),
+                          f"a probe of {len(sample)} source conversations (their own replies standing in for the "
+                          f"target's) x{margin}")
+
+
 def _check_space(target: Target, settings: DataSettings, out_dir: Path, batches, capture_layers, features_dir):
-    """Refuse to start when the disk cannot hold what the unfinished shards may need (an upper bound).
+    """Refuse to start when the disk cannot hold what the unfinished shards will need, from measured
+    lengths (`estimate_lengths`): the shards made so far, else a probe of the source.
 
     Under data.max_minutes only the shards in flight together at the start must fit: the cap stops the
     run long before the source is used up, and a full disk later keeps the finished shards."""
-    regenerated = settings.max_prompt_tokens + settings.max_new_tokens
-    per_conversation = {"prefill": settings.max_seq_len, "regenerate": regenerated}.get(
-        settings.mode, max(settings.max_seq_len, regenerated))
     todo = [len(b) for i, b in enumerate(batches) if not (out_dir / "shards" / f"shard-{i:05d}.jsonl").exists()]
+    if not todo:
+        return
+    lengths = estimate_lengths(target, settings, out_dir, batches)
 
     def cache(conversations: int) -> int:
-        tokens = conversations * per_conversation
+        tokens = int(conversations * lengths.cached_tokens)
         return feature_cache.estimate_bytes(tokens, capture_layers, target.hidden_size) if capture_layers else 0
 
     def bound(conversations: int) -> int:
-        return conversations * per_conversation * JSONL_BYTES_PER_TOKEN + cache(conversations)
+        return int(conversations * lengths.tokens * JSONL_BYTES_PER_TOKEN) + cache(conversations)
 
     everything, free = bound(sum(todo)), free_bytes(out_dir)
+    log.info("data for %d conversations: about %s (%.0f tokens per conversation, %.0f of them cached: %s)",
+             sum(todo), human_size(everything), lengths.tokens, lengths.cached_tokens, lengths.source)
     if capture_layers:
-        log.info("feature cache %s: at most %.0f MB (layers %s, bf16)", features_dir, cache(sum(todo)) / 1e6,
+        log.info("feature cache %s: about %s (layers %s, bf16)", features_dir, human_size(cache(sum(todo))),
                  capture_layers)
+    what = f"{{}} ({lengths.tokens:.0f} tokens per conversation, {lengths.source})"
     if settings.max_minutes is None or everything <= free:
-        require_free_space(out_dir, everything, f"the data for {sum(todo)} conversations")
+        require_free_space(out_dir, everything, what.format(f"the data for {sum(todo)} conversations"))
         return
     first = sum(todo[:IN_FLIGHT_SHARDS])
-    require_free_space(out_dir, bound(first), f"the first {first} conversations of data")
+    require_free_space(out_dir, bound(first), what.format(f"the first {first} conversations of data"))
     log.warning("all %d conversations would need about %s at '%s' (%s free); data.max_minutes=%s stops this run "
                 "earlier, and if the disk fills first the finished shards are kept", sum(todo),
                 human_size(everything), out_dir, human_size(free), settings.max_minutes)

@@ -3,8 +3,9 @@
 Per data shard, one safetensors file holds the target's hidden states at
 the layers a drafter needs (docs/design.md ids; the final layer N always, since
 the target's distribution is recomputed from it rather than stored), in
-bf16, for every token of every record: `features` [tokens, layers, d] and
-`offsets` [records + 1].  A file is written to a temporary name and renamed,
+bf16, for every token that training reads (each record cut to
+data.max_seq_len, recorded as `max_tokens`): `features` [tokens, layers, d]
+and `offsets` [records + 1].  A file is written to a temporary name and renamed,
 and carries the sha256 of its feature bytes, the layer ids and the target's
 weights hash; a file that fails any of these is named in the error and only
 it is rebuilt.
@@ -13,6 +14,11 @@ Self-distillation fills the cache for free: generation already runs the
 target over every prompt and reply token, so it keeps the hidden states it
 computes.  For data that was not generated (or a cache with other layers),
 `build_missing` runs one batched forward per shard.
+
+Checksums are computed streaming, from the file (a multi-GB shard is never
+loaded whole to check it), and a shard checked once gets a stamp beside it
+(`shard-N.verified.json`: its size, modification time and checksum), so that
+train.verify_cache=first-use hashes each shard once, not on every run.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from draftsmith.heads.files import require_free_space, save_tensors_atomic
+from draftsmith.heads.files import human_size, require_free_space, save_tensors_atomic, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -62,20 +68,76 @@ def _checksum(features: torch.Tensor) -> str:
     return hashlib.sha256(features.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
 
 
-def write_shard(path: Path, per_record: list[torch.Tensor], layers, target_hash: str) -> None:
-    """per_record: one [tokens_i, layers, d] tensor per record, in record order."""
+STREAM_CHUNK = 16 << 20
+
+
+def streamed_checksum(path: Path) -> str:
+    """The sha256 of the `features` tensor's bytes, read from the file in 16 MiB pieces (the same digest
+    as `_checksum` of the tensor: safetensors stores it as its little-endian bytes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_size))
+        start, end = header["features"]["data_offsets"]
+        f.seek(8 + header_size + start)
+        left = end - start
+        while left > 0:
+            block = f.read(min(STREAM_CHUNK, left))
+            if not block:
+                raise CacheError(f"feature shard {path} is truncated; delete it to rebuild it")
+            digest.update(block)
+            left -= len(block)
+    return digest.hexdigest()
+
+
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(path.stem + ".verified.json")
+
+
+def _stamp(path: Path, sha256: str) -> None:
+    info = path.stat()
+    write_atomic(_stamp_path(path), json.dumps({"size": info.st_size, "mtime_ns": info.st_mtime_ns, "sha256": sha256}))
+
+
+def _stamped(path: Path, sha256: str | None) -> bool:
+    """True when a stamp says this very file (same size and modification time) was checked against `sha256`."""
+    try:
+        stamp = json.loads(_stamp_path(path).read_text())
+        info = path.stat()
+    except (OSError, ValueError):
+        return False
+    return stamp == {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "sha256": sha256}
+
+
+def write_shard(path: Path, per_record: list[torch.Tensor], layers, target_hash: str,
+                max_tokens: int | None = None) -> None:
+    """per_record: one [tokens_i, layers, d] tensor per record, in record order, each stored cut to
+    `max_tokens` (what training reads: data.max_seq_len)."""
+    if max_tokens is not None:
+        per_record = [f[:max_tokens] for f in per_record]
     features = torch.cat([f.to(torch.bfloat16).cpu() for f in per_record]) if per_record else torch.zeros(0)
     offsets = torch.tensor([0] + [f.shape[0] for f in per_record]).cumsum(0)
-    metadata = {"layers": json.dumps(sorted(set(layers))), "target": target_hash, "sha256": _checksum(features)}
+    sha256 = _checksum(features)
+    metadata = {"layers": json.dumps(sorted(set(layers))), "target": target_hash, "sha256": sha256}
+    if max_tokens is not None:
+        metadata["max_tokens"] = str(max_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
+    del per_record
     save_tensors_atomic({"features": features.contiguous(), "offsets": offsets}, path, metadata=metadata)
+    _stamp(path, sha256)            # written from the bytes in hand: checked by construction
 
 
 class ShardReader:
-    """Random access to the records of one cache file (memory-mapped); `layers` are the ones it holds."""
+    """Random access to the records of one cache file (memory-mapped); `layers` are the ones it holds.
 
-    def __init__(self, path: Path, layers, target_hash: str, verify: bool = True):
+    verify: 'always' hashes the features (streaming); 'first-use' only when no stamp says this file was
+    hashed already; 'never' (or False) reads the header only.  `max_tokens`: what training reads per
+    record (data.max_seq_len); a file cut shorter than that is refused."""
+
+    def __init__(self, path: Path, layers, target_hash: str, verify: str | bool = "always",
+                 max_tokens: int | None = None):
         self.path = path
+        verify = {True: "always", False: "never"}.get(verify, verify)
         try:
             self.handle = safe_open(str(path), framework="pt")
             meta = self.handle.metadata() or {}
@@ -87,8 +149,14 @@ class ShardReader:
         if meta.get("target") != target_hash:
             raise CacheError(f"feature shard {path} was made with target {meta.get('target')}, not {target_hash}: "
                              "the cache belongs to another target; delete it or use another output_dir")
-        if verify and _checksum(self.handle.get_tensor("features")) != meta.get("sha256"):
-            raise CacheError(f"feature shard {path} is corrupted (checksum mismatch); delete it to rebuild it")
+        stored = int(meta["max_tokens"]) if "max_tokens" in meta else None
+        if max_tokens is not None and stored is not None and stored < max_tokens:
+            raise CacheError(f"feature shard {path} was cut at {stored} tokens per record, and training reads "
+                             f"up to {max_tokens} (data.max_seq_len)")
+        if verify == "always" or (verify == "first-use" and not _stamped(path, meta.get("sha256"))):
+            if streamed_checksum(path) != meta.get("sha256"):
+                raise CacheError(f"feature shard {path} is corrupted (checksum mismatch); delete it to rebuild it")
+            _stamp(path, meta["sha256"])
         self.columns = sorted(set(layers))
 
     def record(self, row: int) -> torch.Tensor:
@@ -97,56 +165,73 @@ class ShardReader:
         return self.handle.get_slice("features")[start:end]
 
 
-def check_shard(path: Path, layers, target_hash: str) -> str | None:
-    """None if the shard is whole, else why not."""
+def check_shard(path: Path, layers, target_hash: str, verify: str = "always", max_tokens: int | None = None) -> str | None:
+    """None if the shard is whole (as far as `verify` looks), else why not."""
     if not path.is_file():
         return "missing"
     try:
-        ShardReader(path, layers, target_hash, verify=True)
+        ShardReader(path, layers, target_hash, verify=verify, max_tokens=max_tokens)
     except CacheError as err:
         return str(err)
     return None
 
 
 @torch.no_grad()
-def compute_features(target, records: list[dict], layers, batch_size: int = 8) -> list[torch.Tensor]:
-    """One forward per batch of records' input_ids: [tokens_i, layers, d] each."""
+def compute_features(target, records: list[dict], layers, batch_size: int = 8,
+                     max_tokens: int | None = None) -> list[torch.Tensor]:
+    """One forward per batch of records' input_ids (cut to `max_tokens`: causal attention makes the
+    first tokens' states the same): [min(tokens_i, max_tokens), layers, d] each."""
     layers = sorted(set(layers))
     out: list[torch.Tensor] = [None] * len(records)
-    order = sorted(range(len(records)), key=lambda i: len(records[i]["input_ids"]))
+    lengths = [min(len(r["input_ids"]), max_tokens or len(r["input_ids"])) for r in records]
+    order = sorted(range(len(records)), key=lambda i: lengths[i])
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        longest = max(len(records[i]["input_ids"]) for i in chunk)
+        longest = max(lengths[i] for i in chunk)
         ids = torch.zeros(len(chunk), longest, dtype=torch.long)
         mask = torch.zeros(len(chunk), longest, dtype=torch.long)
         for j, i in enumerate(chunk):
-            n = len(records[i]["input_ids"])
-            ids[j, :n] = torch.tensor(records[i]["input_ids"])
+            n = lengths[i]
+            ids[j, :n] = torch.tensor(records[i]["input_ids"][:n])
             mask[j, :n] = 1
         hidden = target.features(ids.to(target.device), mask.to(target.device), layers)
         stacked = torch.stack([hidden[layer] for layer in layers], dim=2)          # [b, s, layers, d]
         for j, i in enumerate(chunk):
-            out[i] = stacked[j, : len(records[i]["input_ids"])].to(torch.bfloat16).cpu()
+            out[i] = stacked[j, : lengths[i]].to(torch.bfloat16).cpu()
+        del hidden, stacked
     return out
 
 
-def build_missing(target, shards: list[Path], layers, out_dir: Path, progress: bool = True) -> int:
-    """Compute the cache files missing or broken for these JSONL data shards; returns how many were built."""
+def build_missing(target, shards: list[Path], layers, out_dir: Path, progress: bool = True,
+                  max_tokens: int | None = None, verify: str = "always") -> int:
+    """Compute the cache files missing or broken for these JSONL data shards (checked as `verify` says:
+    train.verify_cache); returns how many were built.  Under a launch, each process passes its own share."""
+    import time
+
     from tqdm import tqdm
 
     from .distill import read_shard
 
     todo = []
+    start, checked = time.time(), 0
     for shard in shards:
         path = out_dir / (shard.stem + ".safetensors")
-        problem = check_shard(path, layers, target.identity.weights_sha256)
+        hashed = verify == "always" or (verify == "first-use" and path.is_file() and not _stamped_file(path))
+        problem = check_shard(path, layers, target.identity.weights_sha256, verify, max_tokens)
+        if hashed and problem is None:
+            checked += path.stat().st_size
         if problem is not None:
             if problem != "missing":
                 log.warning("%s; rebuilding only this shard", problem)
             todo.append((shard, path))
+    if checked:
+        seconds = max(time.time() - start, 1e-6)
+        log.info("feature cache: %s verified in %.1f s (%.2f GB/s, train.verify_cache=%s)", human_size(checked),
+                 seconds, checked / seconds / 1e9, verify)
     if not todo:
         return 0
-    tokens = sum(len(r["input_ids"]) for shard, _ in todo for r in read_shard(shard))
+    tokens = sum(min(len(r["input_ids"]), max_tokens or len(r["input_ids"])) for shard, _ in todo
+                 for r in read_shard(shard))
     size = estimate_bytes(tokens, layers, target.hidden_size)
     log.info("feature cache: %d shards to compute, about %.1f MB (%d tokens x %d layers x %d x bf16) in %s",
              len(todo), size / 1e6, tokens, len(set(layers)), target.hidden_size, out_dir)
@@ -154,5 +239,16 @@ def build_missing(target, shards: list[Path], layers, out_dir: Path, progress: b
                        f"{target.hidden_size} x bf16; train.features=online needs none)")
     for shard, path in tqdm(todo, desc="feature cache", disable=not progress):
         records = read_shard(shard)
-        write_shard(path, compute_features(target, records, layers), layers, target.identity.weights_sha256)
+        write_shard(path, compute_features(target, records, layers, max_tokens=max_tokens), layers,
+                    target.identity.weights_sha256, max_tokens)
     return len(todo)
+
+
+def _stamped_file(path: Path) -> bool:
+    """A stamp for this file exists and matches its size and time (the checksum is compared on reading)."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            sha = (handle.metadata() or {}).get("sha256")
+    except Exception:  # noqa: BLE001 - unreadable: check_shard says so
+        return False
+    return _stamped(path, sha)

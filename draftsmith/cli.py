@@ -40,6 +40,7 @@ def resolve_recipe(name: str) -> Path:
 
 
 def cmd_data(args) -> dict:
+    import torch
     from draftsmith.heads.files import DirectoryLock, require_writable
     from draftsmith.train.batches import make_recipe_data
     from draftsmith.train.settings import load_recipe
@@ -55,7 +56,9 @@ def cmd_data(args) -> dict:
     print(f"data: {report.conversations} conversations, {report.training_tokens} tokens "
           f"({report.assistant_tokens} reply tokens) in {recipe.out / 'data'}; generated {report.generated_tokens} "
           f"and prefilled {report.prefilled_tokens} tokens in {report.seconds:.0f}s ({report.tokens_per_second:.0f} tok/s); "
-          f"{report.skipped_long_prompts} long prompts skipped, {report.truncated_prompts} truncated")
+          f"{report.skipped_long_prompts} long prompts skipped, {report.truncated_prompts} truncated"
+          + (f"; peak GPU memory {torch.cuda.max_memory_allocated(target.device) / 2 ** 30:.1f} GiB"
+             if target.device.type == "cuda" else ""))
     return vars(report) | {"tokens_per_second": report.tokens_per_second}
 
 

@@ -104,7 +104,7 @@ def tune_dynamic_tree(drafter, target: Target, options: EvalSettings):
 
     from .benchmark import load_prompts
 
-    prompt = load_prompts(target, "mt-bench", 1)[0][1]
+    prompt = load_prompts(target, options.prompts, 1)[0][1]    # not MT-bench's: its package may be absent
     default = drafter.config.tree
     candidates = DYNAMIC_TREES + [(default["depth"], default["top_k"], default["total_tokens"])]
     rates = {}

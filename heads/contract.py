@@ -103,6 +103,12 @@ class DrafterBase(nn.Module):
     trains_target_adapter: ClassVar[bool] = False
     static_tree: ClassVar[bool] = False
     data_is_target_greedy = False
+    gradient_checkpointing = False
+
+    def enable_gradient_checkpointing(self) -> bool:
+        """Recompute activations in backward instead of keeping them (train.gradient_checkpointing);
+        False: this drafter keeps too little for it to matter, and nothing changes."""
+        return False
 
     @property
     def checkpoint_kind(self) -> str:

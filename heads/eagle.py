@@ -83,6 +83,12 @@ class Eagle(EagleDecoding, DrafterBase):
 
         return {**asdict(self.shape), "draft_vocab_size": int(self.draft_to_target.numel())}
 
+    def enable_gradient_checkpointing(self) -> bool:
+        """Each test-time step's draft layer is recomputed in backward (its MLP and attention
+        activations, the largest part of a step, are not kept)."""
+        self.gradient_checkpointing = True
+        return True
+
     @property
     def required_layers(self) -> tuple[int, ...]:
         return (self.target.num_layers,)
@@ -129,7 +135,8 @@ class Eagle(EagleDecoding, DrafterBase):
         hidden = self.fc(torch.cat([self.target.embed_tokens(tokens).to(features.dtype), noisy], dim=-1))
         positions = torch.arange(s, device=input_ids.device)[None].expand(b, s)
         cos, sin = self.rotary(hidden, positions)
-        predicted = self.layer.ttt(hidden, None, cos, sin, [], attention)               # [b, s, H]
+        predicted = self.layer.ttt(hidden, None, cos, sin, [], attention,               # [b, s, H]
+                                   checkpointed=self.gradient_checkpointing and self.training)
         scored = self._scored(batch)                                                    # token t+2 is a reply
         denominator = term_denominators(batch, self.loss_counts(batch))[0]
         wanted = F.pad(features[:, 1:], (0, 0, 0, 1))[scored]                           # f_{t+1}

@@ -105,6 +105,12 @@ class Eagle3(EagleDecoding, DrafterBase):
         if config.init_from_target:
             self._init_from_target()
 
+    def enable_gradient_checkpointing(self) -> bool:
+        """Each test-time step's draft layer is recomputed in backward (its MLP and attention
+        activations, the largest part of a step, are not kept)."""
+        self.gradient_checkpointing = True
+        return True
+
     @property
     def required_layers(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.layer_ids) | {self.target.num_layers}))
@@ -206,7 +212,8 @@ class Eagle3(EagleDecoding, DrafterBase):
         for step in range(self.config.ttt_steps):
             tokens = F.pad(input_ids[:, 1 + step:], (0, 1 + step))                 # token t+1+s at t
             cos, sin = self.rotary(hidden, positions + step)
-            hidden = self.midlayer.ttt(hidden, self.embed(tokens), cos, sin, past, attention)
+            hidden = self.midlayer.ttt(hidden, self.embed(tokens), cos, sin, past, attention,
+                                       checkpointed=self.gradient_checkpointing and self.training)
             yield hidden
 
     def loss_counts(self, batch: dict) -> torch.Tensor:

@@ -26,6 +26,7 @@ from torch import nn
 from .contract import DrafterBase
 from .draft_vocab import add_draft_vocabulary, set_draft_map
 from .drafter import DraftContext, StepOutput, divide, term_denominators
+from .soft_loss import hard_cross_entropy
 from .target import Target
 from .tree import DraftTree, TreeShape
 
@@ -262,12 +263,12 @@ class Medusa(DrafterBase):
             labels = next_tokens[:, 1 + k: 1 + k + span][selected]             # target ids, [m]
             draft_labels = self.target_to_draft[labels]
             scored = valid_for(k) & (draft_labels >= 0)
-            head_logits = logits[k].float()
-            # computed even when nothing is scored: the loss stays connected to every weight (a process
+            # fused, in row chunks (heads/soft_loss.py): no fp32 [m, v] copy of a head's logits is kept.
+            # Computed even when nothing is scored: the loss stays connected to every weight (a process
             # whose slice of the step holds no reply token still takes part in the gradient exchange)
-            ce = F.cross_entropy(head_logits[scored], draft_labels[scored], reduction="sum")
-            total = total + (self.config.loss_decay ** k) * divide(ce, denominators[k])
-            correct[k] = ((head_logits.argmax(-1) == draft_labels) & scored).sum()
+            per_row, guess = hard_cross_entropy(logits[k], draft_labels.clamp(min=0), scored)
+            total = total + (self.config.loss_decay ** k) * divide(per_row.sum(), denominators[k])
+            correct[k] = ((guess == draft_labels) & scored).sum()
         return StepOutput(loss=total, correct=correct, counted=counted)
 
     @torch.no_grad()

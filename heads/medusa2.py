@@ -155,10 +155,38 @@ class Medusa2(Medusa):
         ramp = 1.0 if self.joint.ramp_steps == 0 else min(1.0, (joint_step + 1) / self.joint.ramp_steps)
         return self.joint.heads_coefficient * math.sin(0.5 * math.pi * ramp)
 
+    def enable_gradient_checkpointing(self) -> bool:
+        """The adapted backbone's decoder layers are recomputed in backward (transformers' own
+        checkpointing, non-reentrant).  It acts in train mode only, so the decoder is put in train mode
+        for the joint forward, with every dropout at 0: the same computation as in eval mode."""
+        if self.backbone is None:
+            raise RuntimeError("enable_gradient_checkpointing needs attach_backbone() first (training does it)")
+        model = self.target.model
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+        for key in ("attention_dropout", "hidden_dropout", "dropout"):
+            if getattr(model.config, key, 0):
+                setattr(model.config, key, 0.0)
+        if hasattr(model, "activation_checkpointing_enable"):        # transformers >= 5.x's name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.gradient_checkpointing = True
+        return True
+
     def _adapted_hidden(self, batch: dict, grad: bool) -> torch.Tensor:
-        with torch.set_grad_enabled(grad):
-            return self.target.decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                       use_cache=False).last_hidden_state
+        decoder = self.target.decoder
+        checkpointed = grad and self.gradient_checkpointing
+        if checkpointed:
+            decoder.train()                 # transformers checkpoints only in train mode (dropout is 0)
+        try:
+            with torch.set_grad_enabled(grad):
+                return decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               use_cache=False).last_hidden_state
+        finally:
+            if checkpointed:
+                decoder.eval()
 
     def distill_kl(self, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
         """Summed KL(original || adapted) of the next-token distribution over the reply positions."""

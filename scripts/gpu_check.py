@@ -4,14 +4,17 @@
 
 Stages on a tiny random Llama (4 layers, hidden 64, built here): data, train Medusa and EAGLE-3
 (20 steps each), eval (fp32 exactness, tau, tokens/s with device synchronisation), export --to vllm,
-and 2-process runs under accelerate launch (ddp, fsdp, deepspeed-zero3) when two GPUs are visible;
-then one short quickstart on the default target.
+a 1-process torchrun (an NCCL process group: a tensor off the GPU in a collective fails there), and
+2-process runs under accelerate launch (ddp, fsdp, deepspeed-zero3) when two GPUs are visible; then
+one short quickstart on the default target; then scripts/rehearse.py on a random target of
+Llama-3.1-8B's shapes (regeneration tokens/s, training step time, peak GPU memory).
 While the stages run, the device of each tensor family is recorded: target weights (Target.load),
 engine caches (EngineCache), drafter weights and training batches (each drafter's loss()).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -109,10 +112,15 @@ def run(*argv) -> None:
 
 def tiny_stages(work: Path, device, gpus: int, results: list) -> None:
     """data, train, eval, export (and DDP when two GPUs are visible) on a tiny random Llama built here."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import build_tiny_target
-    target_dir = build_tiny_target(work / "tiny-llama", "llama", layers=4)
-    recipes = {m: tiny_recipe(work, target_dir, m, str(device)) for m in ("medusa", "eagle3")}
+    def build():
+        sys.path.insert(0, str(REPO / "tests"))
+        from conftest import build_tiny_target          # the test helpers (they import pytest): inside a stage
+        target_dir = build_tiny_target(work / "tiny-llama", "llama", layers=4)
+        return {m: tiny_recipe(work, target_dir, m, str(device)) for m in ("medusa", "eagle3")}
+    recipes = stage("tiny: build", build, results)
+    if recipes is None:
+        print("SKIP  tiny: the other stages      the tiny model could not be built (above)", flush=True)
+        return
 
     stage("tiny: data", lambda: run("data", recipes["eagle3"]), results)
     for method in ("medusa", "eagle3"):
@@ -136,12 +144,31 @@ def tiny_stages(work: Path, device, gpus: int, results: list) -> None:
     for method in ("medusa", "eagle3"):
         stage(f"tiny: export {method}", lambda m=method: run("export", work / m / "checkpoint", "--to", "vllm",
                                                              work / f"export-{m}", "--device", device), results)
+    def one_process_nccl():
+        """torchrun with one process: accelerate makes an NCCL process group, and NCCL refuses a tensor
+        that is not on the GPU in any collective (gloo, which the CPU tests use, accepts it)."""
+        import shutil
+        shutil.copytree(work / "eagle3" / "data", work / "nccl" / "data", dirs_exist_ok=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                               "--master_port", "29581", "-m", "draftsmith", "train", str(recipes["eagle3"]),
+                               f"output_dir={work / 'nccl'}", "train.log_every=5", "train.eval_every=10"],
+                              env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+        if done.returncode:
+            raise RuntimeError(done.stderr[-2000:])
+        ran = json.loads((work / "nccl" / "logs" / "launch.json").read_text())
+        if ran["distributed_type"] != "MULTI_GPU":
+            raise AssertionError(f"torchrun did not make a process group: {ran}")
+        return f"{ran['distributed_type']} over NCCL, 1 process: " + done.stdout.strip().splitlines()[-1]
+    stage("tiny: torchrun 1 process, NCCL", one_process_nccl, results)
     if gpus >= 2:
         import importlib.util
         import shutil
 
         def launch(config):
-            env = dict(os.environ, PYTHONPATH=str(REPO))
+            # the checkout first, then what was there (WHEELS= put its private site folder on PYTHONPATH)
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                                               if p))
             done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                                    f"recipes/accelerate/{config}.yaml", "--num_processes", "2", "-m", "draftsmith",
                                    "train", str(recipes["eagle3"]), f"output_dir={work / config}", "train.batch_size=2"],
@@ -166,6 +193,8 @@ def main() -> int:
     parser.add_argument("--skip-default", action="store_true", default=bool(os.environ.get("SKIP_DEFAULT")))
     parser.add_argument("--skip-tiny", action="store_true", default=bool(os.environ.get("SKIP_TINY")),
                         help="run only the default target's quickstart")
+    parser.add_argument("--skip-rehearsal", action="store_true", default=bool(os.environ.get("SKIP_REHEARSAL")),
+                        help="skip scripts/rehearse.py on the 8B-shaped random target (16 GB of GPU memory)")
     args = parser.parse_args()
     missing = missing_packages()
     if missing:
@@ -190,6 +219,19 @@ def main() -> int:
         stage("default: quickstart", lambda: run(
             "quickstart", f"output_dir={work / 'quickstart'}", f"target.device={device}", "data.max_minutes=0.5",
             "data.max_conversations=256", "train.max_minutes=0.5", "eval.limit=3", "eval.max_new_tokens=64"), results)
+    if args.skip_rehearsal:
+        print("SKIP  rehearsal: 8B shapes        --skip-rehearsal", flush=True)
+    else:
+        def rehearse():
+            done = subprocess.run([sys.executable, "scripts/rehearse.py", "--device", str(device), "--data-mode",
+                                   "regenerate", "--conversations", "64", "--tokens", "1024", "--steps", "5",
+                                   "--work", str(work / "rehearsal")], capture_output=True, text=True, timeout=900,
+                                  cwd=REPO)
+            print(done.stdout, flush=True)
+            if done.returncode:
+                raise RuntimeError(done.stdout[-1500:] + done.stderr[-1500:])
+            return "see the rehearsal's lines above"
+        stage("rehearsal: 8B shapes", rehearse, results)
     print(f"{sum(results)} passed, {len(results) - sum(results)} failed", flush=True)
     return 0 if all(results) else 1
 

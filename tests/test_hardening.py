@@ -297,17 +297,21 @@ def test_13_a_time_capped_run_needs_room_for_its_first_shards_not_for_every_conv
     target = SimpleNamespace(hidden_size=64)
     batches = [[None] * 8 for _ in range(20)]
     capped = distill.DataSettings(batch_size=8, max_minutes=1.0)
+    measured = distill.LengthEstimate(300.0, 250.0, "a probe")
+    monkeypatch.setattr(distill, "estimate_lengths", lambda *args: measured)
 
     def needs(conversations):
-        tokens = conversations * (capped.max_prompt_tokens + capped.max_new_tokens)
-        return tokens * distill.JSONL_BYTES_PER_TOKEN + distill.feature_cache.estimate_bytes(tokens, [1, 2], 64)
+        return (int(conversations * measured.tokens * distill.JSONL_BYTES_PER_TOKEN)
+                + distill.feature_cache.estimate_bytes(int(conversations * measured.cached_tokens), [1, 2], 64))
 
     first = 8 * distill.IN_FLIGHT_SHARDS
     usage = shutil.disk_usage(tmp_path)
     for free, settings, refusal in [
             (needs(first) + 10, capped, None),
-            (needs(first) - 10, capped, rf"the first {first} conversations of data needs about"),
-            (needs(first) + 10, distill.DataSettings(batch_size=8), r"the data for 160 conversations needs about")]:
+            (needs(first) - 10, capped, rf"the first {first} conversations of data \(300 tokens per conversation, "
+                                        r"a probe\) needs about"),
+            (needs(first) + 10, distill.DataSettings(batch_size=8), r"the data for 160 conversations \(300 tokens "
+                                                                    r"per conversation, a probe\) needs about")]:
         monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: usage._replace(free=free))
         caplog.clear()
         with caplog.at_level(logging.WARNING):

@@ -94,3 +94,38 @@ def test_eagle3_loss_equals_the_position_by_position_definition(tiny_target):
     plain_grads = [p.grad for p in drafter.parameters() if p.grad is not None]
     assert len(plain_grads) == len(fused_grads) > 0
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(fused_grads, plain_grads))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_hard_cross_entropy_equals_f_cross_entropy(dtype, monkeypatch):
+    """Medusa's loss: per-row loss, argmax and gradient against F.cross_entropy on fp32 copies, over
+    ragged chunks, with rows weighted out (weight 0) as unscored positions are."""
+    from draftsmith.heads.soft_loss import hard_cross_entropy
+
+    monkeypatch.setattr(soft_loss, "CHUNK_ROWS", 3)
+    torch.manual_seed(2)
+    logits = (torch.randn(10, 33) * 3).to(dtype).requires_grad_()
+    labels = torch.randint(0, 33, (10,))
+    weight = torch.tensor([1.0, 0, 1, 1, 1, 1, 0, 0, 1, 1])
+    upstream = torch.randn(10)
+    fused, top = hard_cross_entropy(logits, labels, weight)
+    (fused * upstream).sum().backward()
+    fused_grad, logits.grad = logits.grad.clone(), None
+    expected = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none") * weight
+    (expected * upstream).sum().backward()
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(fused, expected, atol=tolerance)
+    assert torch.equal(top, logits.float().argmax(-1))
+    assert fused_grad.dtype == dtype and torch.allclose(fused_grad.float(), logits.grad.float(), atol=tolerance)
+    with pytest.raises(ValueError, match="do not match"):
+        hard_cross_entropy(logits, labels[:4])
+
+
+def test_fused_hard_cross_entropy_passes_gradcheck():
+    from draftsmith.heads.soft_loss import hard_cross_entropy
+
+    torch.manual_seed(3)
+    logits = torch.randn(6, 9, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 9, (6,))
+    weight = torch.rand(6, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda z: hard_cross_entropy(z, labels, weight)[0], (logits,))

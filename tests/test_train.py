@@ -151,7 +151,7 @@ def test_cached_and_online_features_give_the_same_loss(tiny_target_dir, tmp_path
     layers = (target.num_layers,)
     data = load_training_data(recipe, target, layers)
     assert data.features is not None
-    batch = Batches(data.train, 4, 0, data.features).in_order()[0]
+    batch = Batches(data.train, 4, 0, data.features).batch(0)
     torch.manual_seed(0)
     drafter = Medusa(recipe.drafter, target)
     cached = drafter.loss({**batch, "features": {i: f.float() for i, f in batch["features"].items()}})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from datetime import timedelta
 
 import torch
 from accelerate.utils import DistributedType
@@ -43,7 +44,7 @@ def make_accelerator(recipe: Recipe):
     elif settings.report_to == "tensorboard":
         log_with = "tensorboard"
     from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs
+    from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     # accelerate keeps one process-wide state; a second fit() in the same process (a notebook, a sweep)
     # may ask for another precision, so the per-run part is cleared (the process group is kept)
@@ -54,13 +55,17 @@ def make_accelerator(recipe: Recipe):
         cpu=device.type == "cpu", mixed_precision=precision, gradient_accumulation_steps=settings.grad_accum, log_with=log_with,
         # the sampler builds global batches (batch_size x processes) and each process takes its slice,
         # so what a step sees does not depend on how many processes share it
-        dataloader_config=DataLoaderConfiguration(split_batches=True),
+        # (pinned batches are copied to a GPU without the host waiting for them)
+        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=device.type == "cuda"),
         # a drafter's buffers (its draft-vocabulary maps, rotary frequencies) are equal on every process by
-        # construction and never trained: DDP need not send them from rank 0 before every forward
-        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
+        # construction and never trained: DDP need not send them from rank 0 before every forward; the
+        # gradients are views into DDP's buckets rather than a second copy (1.7 GB for an 8B EAGLE-3 drafter).
+        # The process group's timeout is the recipe's (a cache built or verified at scale outlasts 10 minutes)
+        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True),
+                         InitProcessGroupKwargs(timeout=timedelta(minutes=settings.dist_timeout_minutes))],
         project_config=ProjectConfiguration(project_dir=str(recipe.out), logging_dir=str(recipe.out / "logs")))
     if launcher and accelerator.distributed_type == DistributedType.MULTI_CPU:
-        (_fsdp_on_cpu if launcher == "fsdp" else _deepspeed_on_cpu)(accelerator)
+        _fsdp_on_cpu(accelerator) if launcher == "fsdp" else _deepspeed_on_cpu(accelerator, settings.dist_timeout_minutes)
     _check_deepspeed(accelerator, settings)
     _check_fsdp(accelerator)
     return accelerator
@@ -108,7 +113,7 @@ def _fsdp_on_cpu(accelerator) -> None:
     log.info("FSDP2 on %d CPU processes (gloo)", accelerator.num_processes)
 
 
-def _deepspeed_on_cpu(accelerator) -> None:
+def _deepspeed_on_cpu(accelerator, timeout_minutes: float) -> None:
     """DeepSpeed over the gloo process group accelerate made (asked for the GPU way, accelerate would
     see no backend and run every process as if it were alone)."""
     try:
@@ -118,7 +123,8 @@ def _deepspeed_on_cpu(accelerator) -> None:
                           '"draftsmith[deepspeed]" (or use recipes/accelerate/ddp.yaml or fsdp.yaml)') from None
     from accelerate.utils import DeepSpeedPlugin
 
-    deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)   # adopts the existing group
+    deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False,     # adopts the existing group
+                                    timeout=timedelta(minutes=timeout_minutes))
     plugin = DeepSpeedPlugin()                         # the config file and ZeRO stage from the launcher
     plugin.set_mixed_precision(accelerator.mixed_precision)
     _switch_to(accelerator, DistributedType.DEEPSPEED)

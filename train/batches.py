@@ -11,9 +11,11 @@ import hashlib
 import json
 import logging
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from draftsmith.data.features import CacheError
 from draftsmith.heads.target import Target, TargetIdentity
 
 log = logging.getLogger(__name__)
@@ -43,16 +45,37 @@ class TrainingData:
     features: FeatureSource | None   # the cache, when train.features is 'cache'
 
 
-def load_training_data(recipe, target: Target, layers=()) -> TrainingData:
-    """output_dir/data (made first if missing), split into train and held-out columns, and the
-    feature cache for `layers` when train.features is 'cache' (missing or broken shards are built)."""
+class DataNotReady(ValueError):
+    """A multi-process launch that finds no data: making it in one process would leave the others waiting."""
+
+
+def require_data_for_launch(recipe, processes: int) -> None:
+    """Refuse, before any model loads, a launch of several processes that would have to make its data."""
+    data_dir = recipe.out / "data"
+    if processes > 1 and not (data_dir / "tokenized").is_dir():
+        raise DataNotReady(
+            f"{data_dir} holds no data yet, and this launch has {processes} processes: one making it while "
+            f"the others wait would outlast the process group's timeout at scale. Make it first, in one "
+            f"process: `draftsmith data RECIPE output_dir={recipe.out}` (it fills the feature cache too), "
+            "then launch training again")
+
+
+def load_training_data(recipe, target: Target, layers=(), accelerator=None) -> TrainingData:
+    """output_dir/data (made first if missing, in a one-process run), split into train and held-out
+    columns, and the feature cache for `layers` when train.features is 'cache'.
+
+    Under a launch of P processes nothing is done by one process while the others wait: data must exist
+    already (DataNotReady says how to make it), and the cache's shards are checked (train.verify_cache)
+    and, where missing or broken, built by the processes together, process r taking shards r, r + P, ..."""
     import datasets
     from draftsmith.data import features as feature_cache
     from draftsmith.data.distill import check_same_data, shard_paths
 
     data_dir = recipe.out / "data"
     use_cache = recipe.train.features == "cache" and bool(layers)
+    processes = accelerator.num_processes if accelerator is not None else 1
     if not (data_dir / "tokenized").is_dir():
+        require_data_for_launch(recipe, processes)
         log.info("no data in %s yet: making it first", data_dir)
         make_recipe_data(recipe, target)
     manifest = json.loads((data_dir / "manifest.json").read_text())
@@ -63,25 +86,58 @@ def load_training_data(recipe, target: Target, layers=()) -> TrainingData:
         superset = feature_cache.existing_superset(data_dir, layers)
         if superset is not None:          # a cache made for another drafter holds these layers too
             stored = [int(i) for i in superset.name[1:].split("-")]
-            source = FeatureSource(superset, stored, target.identity.weights_sha256, wanted=layers)
+            cache, layers_stored = superset, stored
         else:
-            cache = feature_cache.cache_dir(data_dir, layers)
-            feature_cache.build_missing(target, shard_paths(data_dir), layers, cache)
-            source = FeatureSource(cache, layers, target.identity.weights_sha256)
-    table = datasets.load_from_disk(str(data_dir / "tokenized"))
-    columns = {k: table[k] for k in ("id", "input_ids", "loss_mask", "shard", "row")}
+            cache, layers_stored = feature_cache.cache_dir(data_dir, layers), layers
+        shards = shard_paths(data_dir)
+        rank = accelerator.process_index if accelerator is not None else 0
+        feature_cache.build_missing(target, shards[rank::processes], layers_stored, cache,
+                                    max_tokens=recipe.data.max_seq_len, verify=recipe.train.verify_cache)
+        if accelerator is not None and processes > 1:
+            accelerator.wait_for_everyone()                   # every share checked and built
+        source = FeatureSource(cache, layers_stored, target.identity.weights_sha256,
+                               wanted=layers if superset is not None else None)
+    arrow = datasets.load_from_disk(str(data_dir / "tokenized")).data.table       # memory-mapped
+    columns = {k: arrow.column(k).to_pylist() for k in ("id", "shard", "row")}      # a few bytes a row
     heldout = [_is_heldout(i, recipe.seed, recipe.train.heldout_fraction) for i in columns["id"]]
     if len(columns["id"]) > 1 and all(heldout):
         heldout[0] = False
-    train = {k: [v for v, h in zip(vals, heldout) if not h] for k, vals in columns.items()}
-    held = {k: [v for v, h in zip(vals, heldout) if h] for k, vals in columns.items()}
+    split = {False: [i for i, h in enumerate(heldout) if not h], True: [i for i, h in enumerate(heldout) if h]}
+    train, held = ({**{k: [vals[i] for i in split[side]] for k, vals in columns.items()},
+                    **{k: TokenColumn(arrow.column(k), split[side]) for k in ("input_ids", "loss_mask")}}
+                   for side in (False, True))
     if not train["id"]:
         raise ValueError(f"no training conversations in {data_dir}: make more data (data.max_conversations)")
     return TrainingData(train, held, source)
 
 
+class TokenColumn(Sequence):
+    """The token ids (or loss masks) of some rows of the tokenized table, read from its memory-mapped
+    Arrow file when a row is asked for: a process holds no Python copy of them (as lists they cost
+    about 44 bytes a token: 6 GB for 90k conversations of 1.5k tokens, in every process)."""
+
+    def __init__(self, column, rows: list[int]):
+        self.column, self.rows = column, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self.column[self.rows[index]].as_py()
+
+    def lengths(self) -> list[int]:
+        """Every row's length, from the Arrow offsets (nothing is decoded)."""
+        import pyarrow.compute as pc
+
+        every = pc.list_value_length(self.column).to_numpy()
+        return [int(every[i]) for i in self.rows]
+
+
 class FeatureSource:
-    """Cached hidden states by (shard, row), memory-mapped; every file is checked once when opened."""
+    """Cached hidden states by (shard, row), memory-mapped.  The files' checksums were checked (or not,
+    as train.verify_cache says) by `build_missing` just before: here only their headers are read."""
 
     def __init__(self, directory, layers, target_hash: str, wanted=None):
         from draftsmith.data.features import ShardReader
@@ -91,7 +147,7 @@ class FeatureSource:
         self.wanted = sorted(set(wanted)) if wanted else self.layers  # handed to the drafter
         self.readers = {}
         for path in sorted(directory.glob("shard-*.safetensors")):
-            self.readers[path.stem] = ShardReader(path, self.layers, target_hash, verify=True)
+            self.readers[path.stem] = ShardReader(path, self.layers, target_hash, verify=False)
 
     def batch(self, rows: list[dict], longest: int) -> dict[int, torch.Tensor]:
         """{layer: [b, s, d]} for these rows, zero-padded to `longest`."""
@@ -99,6 +155,10 @@ class FeatureSource:
         parts = []
         for r in rows:
             feats = self.readers[r["shard"]].record(r["row"])[: len(r["input_ids"])]        # [tokens, L, d]
+            if feats.shape[0] < len(r["input_ids"]):
+                raise CacheError(f"feature shard {self.readers[r['shard']].path} holds {feats.shape[0]} tokens of "
+                                 f"record {r['row']}, which has {len(r['input_ids'])}: the cache was cut shorter "
+                                 "than data.max_seq_len; delete it to rebuild it")
             parts.append(feats)
             first = feats if first is None else first
         out = first.new_zeros(len(rows), longest, len(self.layers), first.shape[-1])
@@ -120,7 +180,8 @@ class Batches:
     def __init__(self, rows: dict, batch_size: int, seed: int, features: FeatureSource | None = None):
         self.rows = rows
         self.features = features
-        self.lengths = [len(x) for x in rows["input_ids"]]
+        ids = rows["input_ids"]
+        self.lengths = ids.lengths() if isinstance(ids, TokenColumn) else [len(x) for x in ids]
         self.batch_size = batch_size
         self.seed = seed
 
@@ -147,10 +208,14 @@ class Batches:
         random.Random(self.seed * 1013 + epoch).shuffle(groups)
         return EpochSampler(groups, self)
 
-    def in_order(self) -> list[dict]:
-        """Collated batches in data order (held-out evaluation)."""
-        return [self.collate(self._rows(list(range(i, min(i + self.batch_size, len(self.lengths))))))
-                for i in range(0, len(self.lengths), self.batch_size)]
+    def batch_count(self) -> int:
+        """Batches in data order (held-out evaluation), the last one possibly short."""
+        return -(-len(self.lengths) // self.batch_size)
+
+    def batch(self, index: int) -> dict:
+        """Batch `index` in data order, collated only now: held-out evaluation holds one at a time."""
+        start = index * self.batch_size
+        return self.collate(self._rows(list(range(start, min(start + self.batch_size, len(self.lengths))))))
 
     def collate(self, rows: list[dict]) -> dict:
         batch = collate(rows)
@@ -174,9 +239,13 @@ class EpochSampler(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.batches.lengths)
 
-    def loader(self):
+    def loader(self, workers: int = 0, pin_memory: bool = False):
+        """Worker processes gather and pad the batches (features included) while the device trains; pinned
+        batches are copied to a GPU without the host waiting (accelerate's non_blocking)."""
         return torch.utils.data.DataLoader(self, batch_sampler=_GroupSampler(self.groups, self.batch_size),
-                                           collate_fn=self.batches.collate)
+                                           collate_fn=self.batches.collate, num_workers=workers,
+                                           pin_memory=pin_memory, persistent_workers=False,
+                                           prefetch_factor=2 if workers else None)
 
 
 class _GroupSampler(torch.utils.data.Sampler):

@@ -25,7 +25,8 @@ from .settings import Recipe, RecipeError, save_recipe
 # Recipe keys that may change between a save and a resume.
 RESUME_FREE = {"resume", "overwrite", "output_dir", "eval", "train.max_steps", "train.max_minutes", "train.epochs",
                "train.report_to", "train.wandb_project", "train.log_every", "train.save_every", "train.eval_every",
-               "data.max_minutes", "target.device"}
+               "data.max_minutes", "target.device", "train.dist_timeout_minutes", "train.verify_cache",
+               "train.loader_workers", "train.gradient_checkpointing"}
 
 
 def guard_output(recipe: Recipe) -> None:

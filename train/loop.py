@@ -13,6 +13,7 @@ non-finite loss stops the run and keeps the last good checkpoint.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import logging
 import math
@@ -27,7 +28,8 @@ from draftsmith.heads.files import DirectoryLock
 from draftsmith.heads.target import Target, TargetError
 
 from .accelerator import fill_deepspeed_sizes, make_accelerator, whole_parameters, whole_target
-from .batches import Batches, feature_layers, load_training_data, step_denominators, training_target
+from .batches import (Batches, feature_layers, load_training_data, require_data_for_launch, step_denominators,
+                      training_target)
 from .checkpointing import guard_output, load_state, save_checkpoint
 from .schedule import warmup_cosine
 from .settings import Recipe
@@ -59,6 +61,9 @@ def build_drafter(recipe: Recipe, target: Target, train_rows):
     cls = registry()[recipe.method]
     drafter = cls(recipe.drafter, target)
     drafter.attach_backbone()                          # Medusa-2: a LoRA on the target trains with the heads
+    if recipe.train.gradient_checkpointing and not drafter.enable_gradient_checkpointing():
+        log.warning("train.gradient_checkpointing: a %s drafter keeps too little for it to matter; ignored",
+                    recipe.method)
     # greedy regeneration: every reply token is the target's argmax
     drafter.data_is_target_greedy = recipe.data.mode == "regenerate" and recipe.data.temperature == 0
     vocab_size = recipe.drafter.draft_vocab_size
@@ -98,22 +103,22 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
 
 def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> TrainReport:
     torch.manual_seed(recipe.seed)
+    require_data_for_launch(recipe, accelerator.num_processes)
     if target is None:
         target = training_target(recipe, accelerator)
     elif not same_device(target.device, accelerator.device):
         raise ValueError(f"the target given to fit() is on {target.device} but training runs on "
                          f"{accelerator.device}: load it with device={str(accelerator.device)!r}")
     layers = feature_layers(recipe, target)
-    with accelerator.main_process_first():      # one process makes the data and cache; the others then read them
-        try:
-            data = load_training_data(recipe, target, layers)
-        except TargetError:
-            if target.layers_loaded:
-                raise
-            log.info("the feature cache needs work: loading the whole target")     # a shard to (re)build
-            with whole_target(accelerator):
-                target = recipe.target.load(accelerator.device)
-            data = load_training_data(recipe, target, layers)
+    try:            # under a launch, each process checks and builds its own share of the feature cache
+        data = load_training_data(recipe, target, layers, accelerator)
+    except TargetError:
+        if target.layers_loaded:
+            raise
+        log.info("the feature cache needs work: loading the whole target")     # a shard to (re)build
+        with whole_target(accelerator):
+            target = recipe.target.load(accelerator.device)
+        data = load_training_data(recipe, target, layers, accelerator)
     torch.manual_seed(recipe.seed)      # the drafter's init must not depend on what ran before (data, checks)
     drafter = build_drafter(recipe, target, data.train).to(accelerator.device)
     global_batch = recipe.train.batch_size * accelerator.num_processes
@@ -181,10 +186,52 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def _features(target: Target, batch: dict, layers) -> dict:
     """Cached features when the batch carries them (moved to the device), else the target computes them."""
     if "features" in batch:
-        return {i: f.to(target.device) for i, f in batch["features"].items()}
+        return {i: f.to(target.device, non_blocking=True) for i, f in batch["features"].items()}
     if not layers:                      # a drafter that computes its own (Medusa-2)
         return {}
     return target.features(batch["input_ids"], batch["attention_mask"], layers)
+
+
+class Window:
+    """Running sums between two log steps, kept on the training device: the host waits for the device
+    only at a log step or a checkpoint, never per micro-batch.  A non-finite loss is noted on the device
+    too (its step and value) and raised at the next log step or checkpoint, whichever comes first, so
+    no checkpoint is ever written after it."""
+
+    def __init__(self, device):
+        self.device = device
+        self.unflushed_tokens = torch.zeros((), dtype=torch.long, device=device)   # for state["tokens"]
+        self.first_bad_step = torch.full((), -1, dtype=torch.long, device=device)
+        self.first_bad_loss = torch.zeros((), device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.correct = self.counted = self.grad_norm = None
+        self.loss = torch.zeros((), device=self.device)
+        self.tokens = torch.zeros((), dtype=torch.long, device=self.device)
+        self.steps = 0
+        self.start = time.time()
+
+    def add(self, out, tokens: torch.Tensor, share: float, step: int) -> None:
+        loss = out.loss.detach().float()
+        self.correct = out.correct.detach() if self.correct is None else self.correct + out.correct.detach()
+        self.counted = out.counted.detach() if self.counted is None else self.counted + out.counted.detach()
+        self.loss += loss * share
+        self.tokens += tokens
+        self.unflushed_tokens += tokens
+        first = (self.first_bad_step < 0) & ~torch.isfinite(loss)
+        self.first_bad_step = torch.where(first, step, self.first_bad_step)
+        self.first_bad_loss = torch.where(first, loss, self.first_bad_loss)
+
+    def flush(self, state: dict, checkpoint_dir) -> None:
+        """One wait for the device: the non-finite check, and this process's tokens into `state`."""
+        bad = int(self.first_bad_step)
+        if bad >= 0:
+            raise TrainingError(
+                f"the loss became {float(self.first_bad_loss)} at step {bad}: training stopped. The last good "
+                f"checkpoint ({checkpoint_dir}) is kept; lower train.lr or check the data, then resume=true")
+        state["tokens"] += int(self.unflushed_tokens)
+        self.unflushed_tokens.zero_()
 
 
 def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, heldout, total_steps,
@@ -195,39 +242,39 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
     log_path = recipe.out / "logs" / "train.jsonl"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     history: list[dict] = []
-    window = {"correct": 0.0, "counted": 0.0, "loss": 0.0, "steps": 0, "tokens": 0, "start": time.time()}
+    window = Window(accelerator.device)
     run_start = time.time() - state["seconds"]
     stopped_by = "epochs"
     done = state["step"] >= total_steps
+    share = 1 / (accelerator.num_processes * settings.grad_accum)   # this micro-batch's share of the step's mean
+    workers = loader_workers(settings, accelerator.device)
     while not done:
         sampler = batches.epoch(state["epoch"])
-        loader = accelerator.prepare(sampler.loader())
+        loader = accelerator.prepare(sampler.loader(workers, pin_memory=accelerator.device.type == "cuda"))
         skipped = accelerator.skip_first_batches(loader, state["batch_in_epoch"]) if state["batch_in_epoch"] else loader
         for batch in skipped:
             if state["batch_in_epoch"] % settings.grad_accum == 0:        # an optimizer step begins
                 denominators = step_denominators(drafter, sampler, state["batch_in_epoch"], settings.grad_accum,
-                                                 accelerator.num_processes)
-            batch["loss_denominators"] = denominators.to(accelerator.device)
-            out = _train_step(accelerator, model, optimizer, scheduler, target, batch, layers, settings,
-                              state, checkpoint_dir, window)
+                                                 accelerator.num_processes).to(accelerator.device, non_blocking=True)
+            batch["loss_denominators"] = denominators
+            out = _train_step(accelerator, model, optimizer, scheduler, target, batch, layers, settings, window)
             state["batch_in_epoch"] += 1
-            tokens = int(batch["attention_mask"].sum())
-            state["tokens"] += tokens
-            window["tokens"] += tokens
-            window["correct"] = window["correct"] + out.correct.detach()
-            window["counted"] = window["counted"] + out.counted.detach()
-            window["loss"] += out.loss.item() / (accelerator.num_processes * settings.grad_accum)   # this share of the step's mean
+            window.add(out, batch["attention_mask"].sum(), share, state["step"])
             if not accelerator.sync_gradients:
                 continue
             state["step"] += 1
-            window["steps"] += 1
+            window.steps += 1
             state["seconds"] = time.time() - run_start
+            stop = _stop_reason(settings, state, total_steps)
+            saves = state["step"] % settings.save_every == 0 or bool(stop)
             if state["step"] % settings.log_every == 0 or state["step"] == total_steps:
+                window.flush(state, checkpoint_dir)
                 history.append(_log_window(accelerator, window, state, scheduler, log_path, progress))
+            elif saves:
+                window.flush(state, checkpoint_dir)
             if settings.eval_every and state["step"] % settings.eval_every == 0:
                 history.append(validate(recipe, accelerator, target, model, heldout, state, log_path))
-            stop = _stop_reason(settings, state, total_steps)
-            if state["step"] % settings.save_every == 0 or stop:
+            if saves:
                 save_checkpoint(checkpoint_dir, recipe, accelerator, model, optimizer, scheduler, state)
             if stop:
                 stopped_by, done = stop, True
@@ -236,6 +283,7 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
             state["epoch"] += 1
             state["batch_in_epoch"] = 0
             if state["epoch"] >= math.ceil(settings.epochs):
+                window.flush(state, checkpoint_dir)
                 save_checkpoint(checkpoint_dir, recipe, accelerator, model, optimizer, scheduler, state)
                 done = True
     final = validate(recipe, accelerator, target, model, heldout, state, log_path, calibrate=True)
@@ -247,11 +295,24 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
         save_drafter(drafter, checkpoint_dir, state=weights,
                      extra={"heldout": {k: v for k, v in final.items() if k.startswith(("heldout", "eval"))}})
         write_card(checkpoint_dir)          # the model card, with the held-out figures just measured
-    # state["tokens"] counts this process's share (it is what resume restores); the report gives all processes'
-    tokens = int(accelerator.reduce(torch.tensor(float(state["tokens"]), device=accelerator.device), reduction="sum").item())
-    return TrainReport(steps=state["step"], seconds=state["seconds"], tokens=tokens, stopped_by=stopped_by,
-                       heldout_agreement=final["heldout/agreement"], heldout_simulated_tau=final["heldout/simulated_tau"],
-                       checkpoint=str(checkpoint_dir), history=history)
+    return TrainReport(steps=state["step"], seconds=state["seconds"], tokens=total_tokens(accelerator, state),
+                       stopped_by=stopped_by, heldout_agreement=final["heldout/agreement"],
+                       heldout_simulated_tau=final["heldout/simulated_tau"], checkpoint=str(checkpoint_dir),
+                       history=history)
+
+
+def loader_workers(settings, device) -> int:
+    """train.loader_workers, or the device's default: 4 processes feeding a GPU, none on CPU (where
+    they would take the cores the step runs on)."""
+    if settings.loader_workers is not None:
+        return settings.loader_workers
+    return 4 if device.type == "cuda" else 0
+
+
+def total_tokens(accelerator, state: dict) -> int:
+    """All processes' training tokens (state["tokens"] counts this process's share: what resume restores)."""
+    mine = torch.tensor(state["tokens"], dtype=torch.float64, device=accelerator.device)
+    return int(accelerator.reduce(mine, reduction="sum").item())
 
 
 @torch.no_grad()
@@ -263,7 +324,8 @@ def decode_heldout(recipe, target, drafter, heldout) -> dict:
     was_training = drafter.training
     drafter.eval()
     accepted: list[int] = []
-    for ids, mask in list(zip(heldout.rows["input_ids"], heldout.rows["loss_mask"]))[: recipe.train.eval_prompts]:
+    for ids, mask in itertools.islice(zip(heldout.rows["input_ids"], heldout.rows["loss_mask"]),
+                                      recipe.train.eval_prompts):
         prompt = ids[: mask.index(1)] if 1 in mask else ids
         accepted += decode(target, prompt, recipe.train.eval_max_new_tokens, drafter=drafter).accepted
     drafter.train(was_training)
@@ -272,23 +334,19 @@ def decode_heldout(recipe, target, drafter, heldout) -> dict:
             "eval/per_position_acceptance": metrics.per_position_acceptance(accepted, max(depth, 1))}
 
 
-def _train_step(accelerator, model, optimizer, scheduler, target, batch, layers, settings, state, checkpoint_dir,
-                window):
-    """One micro-batch: features, loss, backward; the optimizer steps when accumulation is complete."""
+def _train_step(accelerator, model, optimizer, scheduler, target, batch, layers, settings, window):
+    """One micro-batch: features, loss, backward; the optimizer steps when accumulation is complete.
+    Nothing here waits for the device (the loss is checked in `Window.flush`)."""
     model.train()
     with accelerator.accumulate(model):
         batch["features"] = _features(target, batch, layers)
         with accelerator.autocast():
             out = model(batch)
-        if not torch.isfinite(out.loss):
-            raise TrainingError(
-                f"the loss became {out.loss.item()} at step {state['step']}: training stopped. The last good "
-                f"checkpoint ({checkpoint_dir}) is kept; lower train.lr or check the data, then resume=true")
         accelerator.backward(out.loss)
         if accelerator.sync_gradients and settings.grad_clip > 0:
             norm = accelerator.clip_grad_norm_(model.parameters(), settings.grad_clip)   # DeepSpeed: None (it
             if norm is not None:                                                         # clips in its own step)
-                window["grad_norm"] = float(norm)
+                window.grad_norm = norm.detach() if torch.is_tensor(norm) else torch.tensor(float(norm))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
@@ -303,22 +361,30 @@ def _stop_reason(settings, state, total_steps) -> str | None:
     return None
 
 
-def _log_window(accelerator, window, state, scheduler, log_path, progress) -> dict:
-    correct = accelerator.reduce(torch.as_tensor(window["correct"], dtype=torch.float32), reduction="sum")
-    counted = accelerator.reduce(torch.as_tensor(window["counted"], dtype=torch.float32), reduction="sum")
+def _log_window(accelerator, window: Window, state, scheduler, log_path, progress) -> dict:
+    """Every process's window summed (each tensor on the accelerator's device, as NCCL requires), logged."""
+    device = accelerator.device
+    empty = torch.zeros(1, device=device)
+    sums = torch.cat([window.correct.float().to(device) if window.correct is not None else empty,
+                      window.counted.float().to(device) if window.counted is not None else empty,
+                      window.loss.float().to(device).reshape(1), window.tokens.float().to(device).reshape(1)])
+    sums = accelerator.reduce(sums, reduction="sum").cpu()
+    k = (len(sums) - 2) // 2
+    correct, counted, loss, tokens = sums[:k], sums[k:2 * k], float(sums[-2]), float(sums[-1])
     agreement = (correct / counted.clamp(min=1)).tolist()
-    elapsed = time.time() - window["start"]
-    tokens = accelerator.reduce(torch.tensor(float(window["tokens"])), reduction="sum").item()
-    loss = accelerator.reduce(torch.tensor(window["loss"]), reduction="sum").item() / max(1, window["steps"])
+    elapsed = time.time() - window.start
     metrics = {
         "step": state["step"], "epoch": state["epoch"],
-        "train/loss": loss,
+        "train/loss": loss / max(1, window.steps),
         "train/simulated_tau": simulated_tau(agreement),
         "train/lr": scheduler.get_last_lr()[0],
         "train/tokens_per_second": tokens / elapsed if elapsed > 0 else 0.0,
+        "train/step_seconds": elapsed / max(1, window.steps),
     }
-    if "grad_norm" in window:
-        metrics["train/grad_norm"] = window["grad_norm"]
+    if window.grad_norm is not None:
+        metrics["train/grad_norm"] = float(window.grad_norm)
+    if device.type == "cuda":       # this process's peak so far (rank 0's is logged)
+        metrics["train/peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
     for j, a in enumerate(agreement):
         metrics[f"train/agreement_{j}"] = a
     accelerator.log(metrics, step=state["step"])
@@ -330,8 +396,7 @@ def _log_window(accelerator, window, state, scheduler, log_path, progress) -> di
             print(f"step {state['step']:>5}  loss {metrics['train/loss']:.3f}  agreement [{heads}]  "
                   f"sim-tau {metrics['train/simulated_tau']:.2f}  lr {metrics['train/lr']:.2e}  "
                   f"{metrics['train/tokens_per_second']:.0f} tok/s", flush=True)
-    window.update(correct=0.0, counted=0.0, loss=0.0, steps=0, tokens=0, start=time.time())
-    window.pop("grad_norm", None)
+    window.reset()
     return metrics
 
 
@@ -347,13 +412,15 @@ def _validate(recipe, accelerator, target, model, heldout, state, log_path, cali
     model.eval()
     correct = counted = None
     hits = hit_counted = None
-    batches = heldout.in_order()
-    mine = batches[accelerator.process_index::accelerator.num_processes]
-    # every process makes the same number of calls (ZeRO-3 gathers weights inside them, all processes
-    # together): one whose share is shorter repeats a batch that counts for nothing
-    for i in range(math.ceil(len(batches) / accelerator.num_processes)):
-        batch, weight = (mine[i], 1) if i < len(mine) else (batches[0], 0)
-        batch = {k: (v.to(accelerator.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    count, processes, rank = heldout.batch_count(), accelerator.num_processes, accelerator.process_index
+    # Streaming: this process collates its own share (batches rank, rank + P, ...), one batch at a time.
+    # Every process makes the same number of calls (ZeRO-3 gathers weights inside them, all processes
+    # together): one whose share is shorter repeats batch 0, which counts for nothing.
+    for i in range(math.ceil(count / processes)):
+        index = i * processes + rank
+        weight = 1 if index < count else 0
+        batch = heldout.batch(index if weight else 0)
+        batch = {k: _to_device(v, accelerator.device) for k, v in batch.items()}
         batch["features"] = _features(target, batch, drafter.required_layers)
         with accelerator.autocast():
             out = drafter.loss(batch)
@@ -364,11 +431,13 @@ def _validate(recipe, accelerator, target, model, heldout, state, log_path, cali
                 hit_counted = c if hit_counted is None else hit_counted + c
         correct = out.correct * weight if correct is None else correct + out.correct * weight
         counted = out.counted * weight if counted is None else counted + out.counted * weight
+        del batch, out
     if calibrate and hits is None:     # this process had no held-out batch (or the drafter has no static trees)
         hits, hit_counted = drafter.topk_hits(None) or (None, None)
     empty = torch.zeros(drafter.draft_positions, device=accelerator.device)
-    correct = accelerator.reduce(correct if correct is not None else empty, reduction="sum")
-    counted = accelerator.reduce(counted if counted is not None else empty.clone(), reduction="sum")
+    correct = accelerator.reduce(correct.to(accelerator.device) if correct is not None else empty, reduction="sum")
+    counted = accelerator.reduce(counted.to(accelerator.device) if counted is not None else empty.clone(),
+                                 reduction="sum")
     agreement = (correct / counted.clamp(min=1)).tolist()
     metrics = {"step": state["step"], "heldout/agreement": agreement, "heldout/simulated_tau": simulated_tau(agreement),
                "heldout/positions": int(counted[0].item()) if counted.numel() else 0}
@@ -391,3 +460,12 @@ def _validate(recipe, accelerator, target, model, heldout, state, log_path, cali
         with open(log_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
     return metrics
+
+
+def _to_device(value, device):
+    """A batch's tensors (and its {layer: features} dict) on the training device."""
+    if torch.is_tensor(value):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value

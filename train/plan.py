@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 from draftsmith.heads.files import free_bytes, human_size
 
 PROBE_CONVERSATIONS = 32
 PROBE_TOKENS = 32
+TOKEN_COLUMN_BYTES = 44      # a token's input id and loss mask as the Python lists training holds
 
 
 @torch.no_grad()
@@ -42,27 +44,89 @@ def _data_rate(target, sample_ids: list[list[int]], settings) -> tuple[float, st
     return made / max(time.time() - start, 1e-6), f"{len(batch)} prompts regenerated for {PROBE_TOKENS} tokens"
 
 
-def _training_rate(recipe, target, rows: list[list[int]], masks: list[list[int]]) -> float:
-    """Training tokens per second here: two drafter steps on the sample (features computed online)."""
+@dataclass
+class TrainingProbe:
+    tokens_per_second: float
+    trainable_parameters: int
+    saved_bytes_per_token: float     # what autograd keeps for backward, per training token of the probe
+
+
+def _training_probe(recipe, target, rows: list[list[int]], masks: list[list[int]]) -> TrainingProbe:
+    """Training tokens per second here: two drafter steps on the sample (features computed online),
+    and the activation bytes autograd saves for backward in them (saved_tensors_hooks, each storage once)."""
     from draftsmith.heads.drafter import registry
     from draftsmith.train.batches import collate
 
     drafter = registry()[recipe.method](recipe.drafter, target)
     drafter.attach_backbone()
     drafter.train()
-    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-6)
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-6)
     batch = collate([{"input_ids": r, "loss_mask": m} for r, m in zip(rows, masks)][: recipe.train.batch_size])
     batch = {k: v.to(target.device) for k, v in batch.items()}
     layers = drafter.required_layers
     features = target.features(batch["input_ids"], batch["attention_mask"], layers) if layers else {}
-    seconds = []
+    seconds, saved = [], {}
+
+    def pack(tensor):
+        if not tensor.requires_grad or tensor.grad_fn is not None:    # activations, not the weights themselves
+            storage = tensor.untyped_storage()
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16) if recipe.train.mixed_precision != "no" \
+        else torch.autocast(target.device.type, enabled=False)
     for _ in range(2):
         start = time.time()
-        drafter.loss({**batch, "features": features}).loss.backward()
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            loss = drafter.loss({**batch, "features": features}).loss
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         seconds.append(time.time() - start)
-    return int(batch["attention_mask"].sum()) / max(seconds[-1], 1e-6)
+    tokens = int(batch["attention_mask"].sum())
+    return TrainingProbe(tokens / max(seconds[-1], 1e-6), sum(p.numel() for p in trainable),
+                         sum(saved.values()) / max(tokens, 1))
+
+
+def memory_plan(recipe, target, probe: TrainingProbe, layers) -> dict:
+    """Bytes per training process, for cache mode and for online mode: on the device (target, drafter
+    weights, gradients and AdamW state in fp32, activations scaled from the probe to batch_size x
+    max_seq_len) and on the host (the token columns, the loader's batches in flight)."""
+    from draftsmith.train.loop import loader_workers
+
+    b, s = recipe.train.batch_size, recipe.data.max_seq_len
+    head_bytes = 2 * target.vocab_size * target.hidden_size * 2                  # embedding + lm_head, bf16
+    config = target.config
+    whole_bytes = _parameter_bytes(target)
+    drafter_state = probe.trainable_parameters * (4 + 4 + 8)                     # fp32 weights, grads, Adam m + v
+    activations = int(probe.saved_bytes_per_token * b * s)
+    batch_features = b * s * len(set(layers)) * target.hidden_size * 2
+    intermediate = getattr(config, "intermediate_size", 4 * target.hidden_size)
+    online_forward = b * s * (4 * target.hidden_size + 2 * intermediate) * 2 + batch_features
+    workers = loader_workers(recipe.train, target.device)
+    in_flight = max(1, 2 * workers) * batch_features * (2 if target.device.type == "cuda" else 1)   # + pinned copy
+    light = recipe.method != "medusa2" and recipe.train.eval_prompts == 0
+    return {
+        "cache": {"device": (head_bytes if light else whole_bytes) + drafter_state + activations,
+                  "host": in_flight},
+        "online": {"device": whole_bytes + drafter_state + activations + online_forward, "host": 0},
+        "parts": {"target_whole": whole_bytes, "target_embedding_and_head": head_bytes, "drafter_state": drafter_state,
+                  "activations": activations, "batch_features": batch_features, "loader_workers": workers},
+    }
+
+
+def _parameter_bytes(target) -> int:
+    model = getattr(target, "model", None)
+    if model is not None and target.layers_loaded:
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+    config = target.config            # loaded without its layers: the layers' size from the config
+    h, i = target.hidden_size, getattr(config, "intermediate_size", 4 * target.hidden_size)
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    d = getattr(config, "head_dim", None) or h // heads
+    per_layer = h * d * (2 * heads + 2 * kv) + 3 * h * i
+    return (target.num_layers * per_layer + 2 * target.vocab_size * h) * 2
 
 
 def dry_run(recipe, target, verb: str) -> dict:
@@ -70,7 +134,7 @@ def dry_run(recipe, target, verb: str) -> dict:
     from draftsmith.data import features as feature_cache
     from draftsmith.data import sources
     from draftsmith.data.chat import tokenize_chat
-    from draftsmith.data.distill import columns
+    from draftsmith.data.distill import columns, estimate_lengths
     from draftsmith.train.batches import feature_layers
 
     settings = recipe.data
@@ -92,9 +156,11 @@ def dry_run(recipe, target, verb: str) -> dict:
         masks.append(chat.loss_mask if settings.mode == "prefill" else [0] * len(chat.input_ids) + [1] * 8)
     mean_prompt = sum(len(x) for x in prompt_ids) / max(len(prompt_ids), 1)
     reply = 0 if settings.mode == "prefill" else settings.max_new_tokens * settings.max_turns
-    tokens = int(taken * (mean_prompt + reply))
+    lengths = estimate_lengths(target, settings, recipe.out / "data", [convs[:taken]])
+    tokens = int(taken * lengths.tokens)
     layers = feature_layers(recipe, target) if recipe.train.features == "cache" else ()
-    cache_bytes = feature_cache.estimate_bytes(tokens, layers, target.hidden_size) if layers else 0
+    cache_bytes = feature_cache.estimate_bytes(int(taken * lengths.cached_tokens), layers, target.hidden_size) \
+        if layers else 0
     free = free_bytes(recipe.out)
     rate, probe = _data_rate(target, prompt_ids, settings)
     made = taken * (mean_prompt if settings.mode == "prefill" else reply)
@@ -103,17 +169,20 @@ def dry_run(recipe, target, verb: str) -> dict:
     lines = [f"{verb} --dry-run: {recipe.out} (nothing written)",
              f"  source {settings.source}: {len(convs)} conversations, {taken} taken ({batches} batches of "
              f"{settings.batch_size}; data.max_conversations {settings.max_conversations})",
-             f"  tokens: about {tokens:,} ({mean_prompt:.0f} per prompt in a sample of {len(sample)}"
-             + (f", + up to {reply} per reply: an upper bound)" if reply else ", prefilled as written)"),
-             f"  feature cache: about {human_size(cache_bytes)} (layers {list(layers)}, bf16) against {human_size(free)} free"
+             f"  tokens: about {tokens:,} ({lengths.tokens:.0f} per conversation, {lengths.cached_tokens:.0f} of them "
+             f"within data.max_seq_len {settings.max_seq_len}: {lengths.source}; {mean_prompt:.0f} per prompt)",
+             f"  feature cache: about {human_size(cache_bytes)} (layers {list(layers)}, bf16, "
+             f"{len(set(layers)) * target.hidden_size * 2:,} bytes per token) against {human_size(free)} free"
              + ("" if cache_bytes < free else "  -- TOO LITTLE DISK: the run would be refused"),
              f"  data: {rate:,.0f} tokens/s measured here ({probe}): about {data_minutes:.1f} min"
              + (f", cut at data.max_minutes {settings.max_minutes}" if capped else "")]
     plan = {"conversations": len(convs), "taken": taken, "estimated_tokens": tokens, "cache_bytes": cache_bytes,
+            "tokens_per_conversation": lengths.tokens, "length_source": lengths.source,
             "free_bytes": free, "data_tokens_per_second": rate, "data_minutes": min(data_minutes, settings.max_minutes
                                                                                  or data_minutes)}
     if verb == "train":
-        train_rate = _training_rate(recipe, target, rows, masks)
+        probe = _training_probe(recipe, target, rows, masks)
+        train_rate = probe.tokens_per_second
         held = 1 - recipe.train.heldout_fraction
         train_minutes = tokens * held * recipe.train.epochs / train_rate / 60
         cap = recipe.train.max_minutes
@@ -122,5 +191,23 @@ def dry_run(recipe, target, verb: str) -> dict:
                      f"{train_minutes:.1f} min for {recipe.train.epochs:g} epochs"
                      + (f", cut at train.max_minutes {cap}" if cap is not None and train_minutes > cap else ""))
         plan.update(training_tokens_per_second=train_rate, training_minutes=min(train_minutes, cap or train_minutes))
+        memory = memory_plan(recipe, target, probe, feature_layers(recipe, target))
+        rows_host = int(tokens * (1 - 0) * TOKEN_COLUMN_BYTES)
+        for mode in ("cache", "online"):
+            memory[mode]["host"] += rows_host
+        parts = memory["parts"]
+        where = "GPU" if target.device.type == "cuda" else "device (here: host) "
+        lines.append(f"  memory per training process at batch {recipe.train.batch_size} x {settings.max_seq_len} tokens "
+                     f"({probe.trainable_parameters / 1e6:,.1f}M trainable parameters; activations "
+                     f"{probe.saved_bytes_per_token / 1024:,.1f} KiB per token, measured in the probe):")
+        for mode in ("cache", "online"):
+            lines.append(f"    train.features={mode}: {where}{human_size(memory[mode]['device'])}, host "
+                         f"{human_size(memory[mode]['host'])} beyond the libraries")
+        lines.append(f"    parts: target {human_size(parts['target_whole'])} whole, "
+                     f"{human_size(parts['target_embedding_and_head'])} embedding + lm_head; drafter weights, gradients "
+                     f"and AdamW {human_size(parts['drafter_state'])} (ZeRO-2/3 and FSDP divide this by the processes); "
+                     f"activations {human_size(parts['activations'])}; token columns {human_size(rows_host)}; "
+                     f"{parts['loader_workers']} loader workers")
+        plan["memory"] = memory
     print("\n".join(lines))
     return plan

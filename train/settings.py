@@ -129,6 +129,18 @@ class TrainSettings:
     """none, wandb or tensorboard (through accelerate's trackers)."""
     wandb_project: str = "draftsmith"
     """W&B project name."""
+    dist_timeout_minutes: float = 120.0
+    """How long a process waits for the others at a collective (accelerate's InitProcessGroupKwargs)
+    before the launch is failed; the 10-minute default of torch.distributed is too short for a
+    feature cache built or verified at scale."""
+    verify_cache: str = "first-use"
+    """When the feature cache's checksums are recomputed: first-use (once per shard, the first run that
+    reads it; a stamp beside it records the check), always (every run) or never (header checks only)."""
+    gradient_checkpointing: bool = False
+    """Recompute the drafter's activations (EAGLE's draft layer per test-time step, Medusa-2's backbone)
+    in backward instead of keeping them: less memory at long sequences, the same gradients, more time."""
+    loader_workers: int | None = None
+    """DataLoader worker processes gathering and padding batches (features included); null: 4 on CUDA, 0 on CPU."""
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -138,6 +150,14 @@ class TrainSettings:
             raise RecipeError(f"train.features must be cache or online, got '{self.features}'")
         if self.report_to not in ("none", "wandb", "tensorboard"):
             raise RecipeError(f"train.report_to must be none, wandb or tensorboard, got '{self.report_to}'")
+        if self.verify_cache not in ("first-use", "always", "never"):
+            raise RecipeError(f"train.verify_cache must be first-use, always or never, got '{self.verify_cache}'")
+        if not self.dist_timeout_minutes > 0:
+            raise RecipeError(f"train.dist_timeout_minutes must be a number of minutes > 0, got "
+                              f"{self.dist_timeout_minutes}")
+        if self.loader_workers is not None and self.loader_workers < 0:
+            raise RecipeError(f"train.loader_workers must be >= 0, or null for the device's default; got "
+                              f"{self.loader_workers}")
         if not 0 <= self.heldout_fraction < 1:
             raise RecipeError(f"train.heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
         for name in ("batch_size", "grad_accum", "save_every", "log_every", "eval_max_new_tokens"):
