@@ -74,8 +74,10 @@ def _training_probe(recipe, target, rows: list[list[int]], masks: list[list[int]
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16) if recipe.train.mixed_precision != "no" \
-        else torch.autocast(target.device.type, enabled=False)
+    from draftsmith.heads.target import resolve_dtype
+    bf16 = recipe.train.mixed_precision == "bf16" or (
+        recipe.train.mixed_precision == "auto" and resolve_dtype("auto", target.device) == torch.bfloat16)
+    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=bf16)   # as training decides
     for _ in range(2):
         start = time.time()
         saved.clear()
@@ -174,7 +176,7 @@ def dry_run(recipe, target, verb: str) -> dict:
              f"  feature cache: about {human_size(cache_bytes)} (layers {list(layers)}, bf16, "
              f"{len(set(layers)) * target.hidden_size * 2:,} bytes per token) against {human_size(free)} free"
              + ("" if cache_bytes < free else "  -- TOO LITTLE DISK: the run would be refused"),
-             f"  data: {rate:,.0f} tokens/s measured here ({probe}): about {data_minutes:.1f} min"
+             f"  data: {rate:,.{0 if rate >= 10 else 2}f} tokens/s measured here ({probe}): about {data_minutes:.1f} min"
              + (f", cut at data.max_minutes {settings.max_minutes}" if capped else "")]
     plan = {"conversations": len(convs), "taken": taken, "estimated_tokens": tokens, "cache_bytes": cache_bytes,
             "tokens_per_conversation": lengths.tokens, "length_source": lengths.source,
@@ -186,7 +188,7 @@ def dry_run(recipe, target, verb: str) -> dict:
         held = 1 - recipe.train.heldout_fraction
         train_minutes = tokens * held * recipe.train.epochs / train_rate / 60
         cap = recipe.train.max_minutes
-        lines.append(f"  training: {train_rate:,.0f} tokens/s measured here (2 steps, features computed online; "
+        lines.append(f"  training: {train_rate:,.{0 if train_rate >= 10 else 2}f} tokens/s measured here (2 steps, features computed online; "
                      "the cache is faster): about "
                      f"{train_minutes:.1f} min for {recipe.train.epochs:g} epochs"
                      + (f", cut at train.max_minutes {cap}" if cap is not None and train_minutes > cap else ""))
