@@ -161,11 +161,15 @@ def test_the_process_group_timeout_reaches_torch_distributed(tiny_target_dir, tm
         "group = _get_default_group()\n"
         "timeout = group._get_backend(__import__('torch').device('cpu')).options._timeout\n"
         "print('TIMEOUT', timeout.total_seconds())\n")
+    import socket
+    with socket.socket() as probe:                  # a port nothing else holds now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run([str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
                            "recipes/accelerate/ddp.yaml", "--num_processes", "2", "--mixed_precision", "no",
-                           "--main_process_port", "29571", str(script)], env=env, capture_output=True, text=True,
-                          cwd=REPO, timeout=300)
+                           "--main_process_port", str(port), str(script)], env=env, capture_output=True, text=True,
+                          cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("TIMEOUT 2220.0") == 2, done.stdout
 
