@@ -28,16 +28,19 @@ import json
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from draftsmith.heads.files import free_bytes, human_size, require_free_space, swap_directory, write_atomic
+from draftsmith.heads.files import swap_directory, write_atomic
 from draftsmith.heads.target import Target
 
 from . import features as feature_cache
 from . import sources
-from .chat import tokenize_chat, tokenize_turns
-from .regenerate import Regenerator, ShardWork, regenerate_batch
+from .chat import tokenize_turns
+from .health import HealthWatch
+from .progress import Launch, Progress
+from .regenerate import Regenerator, ShardWork, regenerate_with_vllm
+from .space import JSONL_BYTES_PER_TOKEN, auto_rows, check_space
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +83,23 @@ class DataSettings:
     """0 = greedy regeneration; > 0 samples (seeded per batch)."""
     top_p: float = 1.0
     """Nucleus sampling mass when temperature > 0."""
-    batch_size: int = 64
-    """Conversations generated together."""
+    batch_size: int | str = 64
+    """Conversations generated together (the transformers backend's rows), and a shard's conversations;
+    auto: the rows that fit data.memory_gb (shards of 64), the choice logged."""
+    memory_gb: float | None = None
+    """batch_size=auto: the memory the generation may use for its cache and features (null: 80% of what is
+    free on the device when the run starts, the target already loaded)."""
+    shard_mb: float = 2048
+    """A shard's largest size on disk (features + JSONL): a larger shard is written as parts of it."""
+    vllm: dict = field(default_factory=dict)
+    """data.backend=vllm: the engine's gpu_memory_utilization (0.85), tensor_parallel_size (1),
+    data_parallel_size (null: the launch's processes, one engine each), max_num_seqs, kv_cache_gb (CPU),
+    chunk_shards (16: shards fed to the engine per call)."""
+    health: dict = field(default_factory=dict)
+    """Data-health limits overriding the shipped ones ({figure}_warn / {figure}_stop, e.g. loop_share_stop:
+    0.7; null: never), docs/metrics.md "Data health"."""
+    allow_degenerate: bool = False
+    """Keep data past the data-health stopping limits (a warning instead of an error)."""
     max_minutes: float | None = None
     """Stop generating after this many minutes (every finished conversation is kept; a rerun continues);
     null = no cap."""
@@ -99,7 +117,19 @@ class DataSettings:
             raise ValueError(f"data.backend must be transformers or vllm, got '{self.backend}'")
         if self.long_prompts not in ("skip", "truncate"):
             raise ValueError(f"data.long_prompts must be 'skip' or 'truncate', got '{self.long_prompts}'")
-        for name in ("max_turns", "max_prompt_tokens", "max_new_tokens", "batch_size", "max_seq_len"):
+        if isinstance(self.batch_size, str) and self.batch_size != "auto":
+            raise ValueError(f"data.batch_size must be a whole number or auto, got '{self.batch_size}'")
+        if self.memory_gb is not None and not self.memory_gb > 0:
+            raise ValueError(f"data.memory_gb must be > 0, or null for 80% of the free memory; got {self.memory_gb}")
+        if not self.shard_mb > 0:
+            raise ValueError(f"data.shard_mb must be > 0 (megabytes per shard on disk), got {self.shard_mb}")
+        from .health import limits_from
+        from .vllm_backend import engine_settings
+
+        limits_from(self.health)
+        engine_settings(self.vllm)
+        for name in ("max_turns", "max_prompt_tokens", "max_new_tokens", "max_seq_len") + (
+                ("batch_size",) if isinstance(self.batch_size, int) else ()):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.top_p <= 1:
@@ -127,6 +157,7 @@ class DataReport:
     source_summary: str
     training_tokens: int
     assistant_tokens: int
+    health: dict | None = None          # data/health.py figures over every reply (health.json: per shard too)
 
     @property
     def tokens_per_second(self) -> float:
@@ -145,7 +176,8 @@ def columns(settings: DataSettings) -> sources.Columns:
 def fingerprint(settings: DataSettings, seed: int, target_identity: dict, chat: dict | None = None) -> str:
     """What the shards depend on: a resumed run, and training on them, must agree on all of it."""
     keys = asdict(settings)
-    free = ["max_minutes", "max_conversations", "regenerate", "streaming"]     # these may change between resumes
+    free = ["max_minutes", "max_conversations", "regenerate", "streaming",      # these may change between resumes
+            "memory_gb", "shard_mb", "vllm", "health", "allow_degenerate"]      # nor do these change a shard
     if settings.mode == "regenerate":
         free.append("max_seq_len")       # cut when indexed, not in the shards (prefilled shards are cut)
     if settings.mode != "mix":
@@ -212,189 +244,209 @@ def plan_batches(convs: list[sources.Conversation], batch_size: int, seed: int) 
     return batches
 
 
+AUTO_SHARD_CONVERSATIONS = 64     # a shard's conversations when data.batch_size is auto
+
+
+def shard_conversations(settings: DataSettings) -> int:
+    return settings.batch_size if isinstance(settings.batch_size, int) else AUTO_SHARD_CONVERSATIONS
+
+
 def write_shard(target: Target, out_dir: Path, index: int, records: list[dict], capture_layers,
-                features_dir: Path, name: str | None = None, max_tokens: int | None = None) -> None:
+                features_dir: Path, name: str | None = None, max_tokens: int | None = None,
+                shard_mb: float | None = None) -> None:
     """Features first, then the shard (its existence marks the shard done), each atomically.
     `name`: a part of the shard (kept at a time cap; see `shard_parts`) instead of the shard itself.
-    `max_tokens`: features are kept for the tokens training reads (data.max_seq_len), the shard whole."""
-    name = name or f"shard-{index:05d}"
-    if capture_layers and any(r.get("features") is None for r in records):
-        # prefill (and vLLM) shards: one forward of the target over every token training reads
+    `max_tokens`: features are kept for the tokens training reads (data.max_seq_len), the shard whole.
+    `shard_mb`: records past that many megabytes on disk go to parts of the shard, written first."""
+    if capture_layers and target.layers_loaded and any(r.get("features") is None for r in records):
+        # prefill shards: one forward of the target over every token training reads
         computed = feature_cache.compute_features(target, records, capture_layers, max_tokens=max_tokens)
         for record, feats in zip(records, computed):
-            record["features"] = feats
-    if capture_layers:
-        feature_cache.write_shard(features_dir / f"{name}.safetensors",
-                                  [r.pop("features") for r in records], capture_layers,
-                                  target.identity.weights_sha256, max_tokens)
+            record["features"] = feats[:max_tokens] if max_tokens else feats
+    pieces = [records] if name or shard_mb is None else _split_by_bytes(records, shard_mb * 1e6, max_tokens)
+    for number, piece in enumerate(pieces):
+        last = number == len(pieces) - 1
+        piece_name = name or (f"shard-{index:05d}" if last else
+                              f"shard-{index:05d}.part{len(shard_parts(out_dir, index))}")
+        if capture_layers and all(r.get("features") is not None for r in piece):
+            feature_cache.write_shard(features_dir / f"{piece_name}.safetensors",
+                                      [r.pop("features") for r in piece], capture_layers,
+                                      target.identity.weights_sha256, max_tokens)
+        for r in piece:
+            r.pop("features", None)
+        write_atomic(out_dir / "shards" / f"{piece_name}.jsonl",
+                     "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in piece))
+
+
+def _split_by_bytes(records: list[dict], limit: float, max_tokens: int | None) -> list[list[dict]]:
+    """Consecutive groups of records, each under `limit` bytes on disk (a record larger alone is one group)."""
+    groups, size = [[]], 0
     for r in records:
-        r.pop("features", None)
-    write_atomic(out_dir / "shards" / f"{name}.jsonl",
-                 "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        feats = r.get("features")
+        kept = min(len(r["input_ids"]), max_tokens or len(r["input_ids"]))
+        bytes_ = len(r["input_ids"]) * JSONL_BYTES_PER_TOKEN + (
+            0 if feats is None else kept * feats[0].numel() * feature_cache.BYTES_PER_VALUE)
+        if groups[-1] and size + bytes_ > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(r)
+        size += bytes_
+    return groups
 
 
 def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, progress: bool = True,
-              capture_layers=()) -> DataReport:
-    """Build (or resume) the shards in out_dir, their feature cache (capture_layers) and `tokenized/`."""
-    from tqdm import tqdm
+              capture_layers=(), launch: Launch | None = None, full_target=None) -> DataReport | None:
+    """Build (or resume) the shards in out_dir, their feature cache (capture_layers) and `tokenized/`.
 
+    launch: this process's rank among the launch's (it makes shards r, r + world, ...; the main rank
+    indexes them all once every rank is done; the others return None).  full_target: loads the whole
+    target, when `target` holds only its embedding and head (data.backend=vllm: the feature pass)."""
+    launch = launch or Launch()
     out_dir = Path(out_dir)
     (out_dir / "shards").mkdir(parents=True, exist_ok=True)
-    _check_manifest(out_dir, settings, seed, target)
-    for stale in [*(out_dir / "shards").glob("*.tmp-*"), *(out_dir / "features").glob("*/*.tmp-*")]:
-        stale.unlink()              # a write cut by a kill: its shard is made again below
+    if launch.main:
+        _check_manifest(out_dir, settings, seed, target)
+        for stale in [*(out_dir / "shards").glob("*.tmp-*"), *(out_dir / "features").glob("*/*.tmp-*")]:
+            stale.unlink()              # a write cut by a kill: its shard is made again below
+    else:
+        check_same_data(out_dir, settings, seed, target)
+    launch.barrier()                    # nothing is written before the stale files are gone
     stats = sources.SourceStats()
     convs = list(sources.conversations(settings.source, stats=stats, columns=columns(settings)))
     log.info("source %s: %s", settings.source, stats.summary())
-    batches = plan_batches(convs, settings.batch_size, seed)
+    per_shard = shard_conversations(settings)
+    batches = plan_batches(convs, per_shard, seed)
     if settings.max_conversations is not None:
         # whole batches only, so a resume with another max_conversations reuses every shard as it is
-        batches = batches[: -(-settings.max_conversations // settings.batch_size)]
+        batches = batches[: -(-settings.max_conversations // per_shard)]
     capture_layers = sorted(set(capture_layers))
     features_dir = feature_cache.cache_dir(out_dir, capture_layers)
-    _check_space(target, settings, out_dir, batches, capture_layers, features_dir)
+    check_space(target, settings, out_dir, batches, capture_layers, features_dir)
+    done = [i for i in range(len(batches)) if (out_dir / "shards" / f"shard-{i:05d}.jsonl").exists()]
+    todo = [i for i in range(len(batches)) if launch.owns(i) and i not in set(done)]
     counts = {"generated_tokens": 0, "prefilled_tokens": 0, "skipped_long_prompts": 0, "truncated_prompts": 0}
     start = time.time()
-    bar = tqdm(total=sum(len(b) for b in batches), desc=f"data ({settings.mode})",
-               unit="conv", disable=not progress, dynamic_ncols=True)
-    new_tokens = [0]
-
-    def on_tokens(n):
-        new_tokens[0] += n
-        bar.set_postfix_str(f"{new_tokens[0] / max(time.time() - start, 1e-6):.0f} tok/s", refresh=False)
-
-    def write(index: int, records: list[dict]) -> None:
-        write_shard(target, out_dir, index, records, capture_layers, features_dir, max_tokens=settings.max_seq_len)
-        bar.update(len(batches[index]))
-
-    def write_part(index: int, records: list[dict]) -> None:
-        name = f"shard-{index:05d}.part{len(shard_parts(out_dir, index))}"
-        write_shard(target, out_dir, index, records, capture_layers, features_dir, name, settings.max_seq_len)
-
-    # draftsmith's engine keeps one batch full across shards; vLLM batches on its own (no features)
     deadline = start + settings.max_minutes * 60 if settings.max_minutes is not None else None
-    engine = (Regenerator(target, settings, seed, counts, on_tokens, capture_layers, write, deadline, write_part)
-              if settings.backend == "transformers" and settings.mode != "prefill" else None)
-    for index, batch in enumerate(batches):
-        shard = out_dir / "shards" / f"shard-{index:05d}.jsonl"
-        if shard.exists():
-            bar.update(len(batch))
-            continue
-        if settings.max_minutes is not None and time.time() - start > settings.max_minutes * 60:
-            break
-        if not batch_regenerates(settings, index):
-            records = [r for c in batch for r in _as_is(target, c, settings)]
-            write(index, records)                         # the forward runs here, then the tokens count
-            counts["prefilled_tokens"] += sum(len(r["input_ids"]) for r in records)
-            on_tokens(sum(len(r["input_ids"]) for r in records))
-        elif engine is not None:
-            engine.admit(index, batch, {r["id"] for part in shard_parts(out_dir, index) for r in read_shard(part)})
-            if engine.out_of_time:
-                break
-        else:
-            write(index, regenerate_batch(target, ShardWork(target, index, batch, settings, seed, counts), on_tokens))
-    if engine is not None:
-        engine.finish()
-        if engine.inflight:
-            log.info("data.max_minutes: %d shards were in flight at the cap; their %d finished conversations are "
-                     "kept as parts, and a rerun makes the rest", len(engine.inflight), engine.kept_parts)
+    bar = Progress(out_dir, sum(len(b) for b in batches), sum(len(batches[i]) for i in done), launch, deadline,
+                   progress, f"data ({settings.mode}, {settings.backend})")
+    watch = HealthWatch(settings, target)
+    run = _Run(target, settings, out_dir, seed, batches, capture_layers, features_dir, counts, bar, watch,
+               deadline)
+    if settings.backend == "vllm" and settings.mode != "prefill":
+        run.with_vllm([i for i in todo if batch_regenerates(settings, i)], launch)
+        if not target.layers_loaded and (capture_layers or any(not batch_regenerates(settings, i) for i in todo)):
+            run.target = target = full_target()          # the engine is gone: the target's turn
+        run.prefill([i for i in todo if not batch_regenerates(settings, i)])
+        if capture_layers:
+            mine = [p for p in shard_paths(out_dir) if launch.owns(int(p.name[6:11]))]
+            began = time.time()
+            built = feature_cache.build_missing(target, mine, capture_layers, features_dir,
+                                                progress=progress and launch.main, max_tokens=settings.max_seq_len,
+                                                verify="never")
+            tokens = sum(min(len(r["input_ids"]), settings.max_seq_len) for p in mine for r in read_shard(p))
+            log.info("feature pass: %d shards, %d tokens in %.1f s (%.0f tokens/s)", built, tokens,
+                     time.time() - began, tokens / max(time.time() - began, 1e-6))
+    else:
+        run.with_transformers(todo)
     if deadline is not None and time.time() > deadline:
         log.warning("data.max_minutes=%s reached: every finished conversation is kept; rerun to continue",
                     settings.max_minutes)
-    bar.close()
-    seconds = time.time() - start
-    return finish(out_dir, settings, stats, counts, seconds)
+    bar.close(counts)
+    launch.barrier()                   # every rank's shards are written
+    if not launch.main:
+        return None
+    return finish(out_dir, settings, stats, bar.totals() if launch.world > 1 else counts, time.time() - start,
+                  target)
 
 
-@dataclass
-class LengthEstimate:
-    """Tokens per conversation a data run writes: whole (the JSONL shards) and cut to data.max_seq_len
-    (the feature cache), with where the figure comes from."""
-    tokens: float
-    cached_tokens: float
-    source: str
+class _Run:
+    """The shards one process makes: through draftsmith's engine, vLLM, or one prefill forward each."""
 
+    def __init__(self, target, settings, out_dir, seed, batches, capture_layers, features_dir, counts, bar,
+                 watch, deadline):
+        self.target, self.settings, self.out_dir, self.seed, self.batches = target, settings, out_dir, seed, batches
+        self.capture_layers, self.features_dir, self.counts, self.bar = capture_layers, features_dir, counts, bar
+        self.watch, self.deadline = watch, deadline
 
-PROBE_CONVERSATIONS = 32
-PROBE_MARGIN = {"prefill": 1.1, "regenerate": 1.5, "mix": 1.5}   # the target's replies may outrun the source's
+    def on_tokens(self, n: int) -> None:
+        self.bar.update(tokens=n)
 
+    def write(self, index: int, records: list[dict], capture=True) -> None:
+        self.watch.add(records)
+        write_shard(self.target, self.out_dir, index, records, self.capture_layers if capture else (),
+                    self.features_dir, max_tokens=self.settings.max_seq_len, shard_mb=self.settings.shard_mb)
+        self.bar.update(conversations=len(self.batches[index]))
+        self.watch.check()
 
-def estimate_lengths(target: Target, settings: DataSettings, out_dir: Path, batches) -> LengthEstimate:
-    """Measured, never the per-conversation maximum: the shards made so far (up to 16 of them), else a
-    probe of the source's own conversations as they will be cut, the source's replies standing in for
-    the target's (times a margin, capped at what a reply may be)."""
-    made = shard_paths(out_dir)[:16]
-    if made:
-        records = [r for shard in made for r in read_shard(shard)]
-        conversations = max(1, len({r["id"].split("#turn")[0] for r in records}))
-        whole = sum(len(r["input_ids"]) for r in records)
-        cached = sum(min(len(r["input_ids"]), settings.max_seq_len) for r in records)
-        return LengthEstimate(whole / conversations, cached / conversations,
-                              f"measured on the {len(made)} shard(s) made so far ({conversations} conversations)")
-    pool = [c for b in batches for c in b]
-    sample = random.Random(0).sample(pool, min(PROBE_CONVERSATIONS, len(pool)))
-    bound = settings.max_prompt_tokens + settings.max_turns * settings.max_new_tokens
-    whole = cached = 0.0
-    for conv in sample:
-        messages, turns = [], 0
-        for m in conv.messages:
-            if m["role"] == "assistant" and settings.mode != "prefill" and turns == settings.max_turns:
+    def write_part(self, index: int, records: list[dict]) -> None:
+        self.watch.add(records)
+        name = f"shard-{index:05d}.part{len(shard_parts(self.out_dir, index))}"
+        write_shard(self.target, self.out_dir, index, records, self.capture_layers, self.features_dir, name,
+                    self.settings.max_seq_len)
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.time() > self.deadline
+
+    def kept(self, index: int) -> set[str]:
+        """Conversations of shard `index` already written as parts of it (a cap, or data.shard_mb)."""
+        return {r["id"].split("#turn")[0] for part in shard_parts(self.out_dir, index) for r in read_shard(part)}
+
+    def prefill(self, indices) -> None:
+        for index in indices:
+            if self.out_of_time():
+                return
+            kept = self.kept(index)
+            records = [r for c in self.batches[index] if c.id not in kept for r in _as_is(self.target, c, self.settings)]
+            tokens = sum(len(r["input_ids"]) for r in records)
+            self.write(index, records)                    # the forward runs here, then the tokens count
+            self.counts["prefilled_tokens"] += tokens
+            self.on_tokens(tokens)
+
+    def with_transformers(self, todo) -> None:
+        """draftsmith's engine keeps one batch full across shards (data/stream.py)."""
+        engine = None
+        if self.settings.mode != "prefill":
+            rows = (self.settings.batch_size if isinstance(self.settings.batch_size, int)
+                    else auto_rows(self.target, self.settings, self.capture_layers))
+            engine = Regenerator(self.target, self.settings, self.seed, self.counts, self.on_tokens,
+                                 self.capture_layers, self.write, self.deadline, self.write_part, rows=rows)
+        for index in todo:
+            if self.out_of_time():
                 break
-            messages.append(m)
-            turns += m["role"] == "assistant"
+            if not batch_regenerates(self.settings, index):
+                self.prefill([index])
+                continue
+            engine.admit(index, self.batches[index], self.kept(index))
+            if engine.out_of_time:
+                break
+        if engine is not None:
+            engine.finish()
+            if engine.inflight:
+                log.info("data.max_minutes: %d shards were in flight at the cap; their %d finished conversations "
+                         "are kept as parts, and a rerun makes the rest", len(engine.inflight), engine.kept_parts)
+
+    def with_vllm(self, todo, launch: Launch) -> None:
+        """vLLM: chunks of data.vllm.chunk_shards shards, each turn of a chunk one engine call; the shards
+        are written without features (the feature pass follows, once the engine is shut down).  A time cap
+        is checked between chunks."""
+        from . import vllm_backend
+        from .progress import launch_from_environment
+
+        if not todo:
+            return
+        chunk = vllm_backend.engine_settings(self.settings.vllm)["chunk_shards"]
+        engine = vllm_backend.Engine(self.target, self.settings, launch.world, launch_from_environment()[2])
         try:
-            n = len(tokenize_chat(target.tokenizer, messages).input_ids)
-        except Exception:  # noqa: BLE001 - a chat the template refuses is skipped by the run too
-            continue
-        if settings.mode != "prefill":
-            n = min(n + (settings.max_new_tokens if turns == 0 else 0), bound)    # a prompt without a reply
-        whole += n
-        cached += min(n, settings.max_seq_len)
-    margin = PROBE_MARGIN[settings.mode]
-    count = max(1, len(sample))
-    upper = settings.max_seq_len if settings.mode == "prefill" else bound
-    return LengthEstimate(min(whole / count * margin, upper), min(cached / count * margin, settings.max_seq_len),
-                          f"a probe of {len(sample)} source conversations (their own replies standing in for the "
-                          f"target's) x{margin}")
-
-
-def _check_space(target: Target, settings: DataSettings, out_dir: Path, batches, capture_layers, features_dir):
-    """Refuse to start when the disk cannot hold what the unfinished shards will need, from measured
-    lengths (`estimate_lengths`): the shards made so far, else a probe of the source.
-
-    Under data.max_minutes only the shards in flight together at the start must fit: the cap stops the
-    run long before the source is used up, and a full disk later keeps the finished shards."""
-    todo = [len(b) for i, b in enumerate(batches) if not (out_dir / "shards" / f"shard-{i:05d}.jsonl").exists()]
-    if not todo:
-        return
-    lengths = estimate_lengths(target, settings, out_dir, batches)
-
-    def cache(conversations: int) -> int:
-        tokens = int(conversations * lengths.cached_tokens)
-        return feature_cache.estimate_bytes(tokens, capture_layers, target.hidden_size) if capture_layers else 0
-
-    def bound(conversations: int) -> int:
-        return int(conversations * lengths.tokens * JSONL_BYTES_PER_TOKEN) + cache(conversations)
-
-    everything, free = bound(sum(todo)), free_bytes(out_dir)
-    log.info("data for %d conversations: about %s (%.0f tokens per conversation, %.0f of them cached: %s)",
-             sum(todo), human_size(everything), lengths.tokens, lengths.cached_tokens, lengths.source)
-    if capture_layers:
-        log.info("feature cache %s: about %s (layers %s, bf16)", features_dir, human_size(cache(sum(todo))),
-                 capture_layers)
-    what = f"{{}} ({lengths.tokens:.0f} tokens per conversation, {lengths.source})"
-    if settings.max_minutes is None or everything <= free:
-        require_free_space(out_dir, everything, what.format(f"the data for {sum(todo)} conversations"))
-        return
-    first = sum(todo[:IN_FLIGHT_SHARDS])
-    require_free_space(out_dir, bound(first), what.format(f"the first {first} conversations of data"))
-    log.warning("all %d conversations would need about %s at '%s' (%s free); data.max_minutes=%s stops this run "
-                "earlier, and if the disk fills first the finished shards are kept", sum(todo),
-                human_size(everything), out_dir, human_size(free), settings.max_minutes)
-
-
-IN_FLIGHT_SHARDS = 4           # the regeneration engine refills one batch from the next shards
-JSONL_BYTES_PER_TOKEN = 40     # a token id, its loss mask and the chat text in a shard line, generously
+            for start in range(0, len(todo), chunk):
+                if self.out_of_time() and start > 0:
+                    break
+                works = [ShardWork(self.target, i, self.batches[i], self.settings, self.seed, self.counts,
+                                   exclude=self.kept(i)) for i in todo[start:start + chunk]]
+                regenerate_with_vllm(engine, works, self.on_tokens)
+                for work in works:
+                    self.write(work.index, work.result(), capture=False)
+        finally:
+            engine.close()
 
 
 def _as_is(target: Target, conv: sources.Conversation, settings: DataSettings) -> list[dict]:
@@ -439,13 +491,19 @@ def _check_manifest(out_dir: Path, settings: DataSettings, seed: int, target: Ta
                                            indent=1))
 
 
-def finish(out_dir: Path, settings: DataSettings, stats, counts: dict, seconds: float) -> DataReport:
-    """Index every shard's records into `tokenized/` (cut to max_seq_len)."""
+def finish(out_dir: Path, settings: DataSettings, stats, counts: dict, seconds: float, target: Target) -> DataReport:
+    """Index every shard's records into `tokenized/` (cut to max_seq_len); measure their health, per shard
+    and in total, into `health.json` (data/health.py), and stop past its limits."""
     import datasets
 
+    from .health import Health, judge
+
     rows = {"id": [], "input_ids": [], "loss_mask": [], "shard": [], "row": []}
+    total, per_shard = Health(), {}
     for shard in shard_paths(out_dir):
+        health = Health()
         for row, record in enumerate(read_shard(shard)):
+            health.add_record(record, target.eos_token_ids)
             mask = record["loss_mask"][: settings.max_seq_len]
             if sum(mask) == 0:
                 continue
@@ -454,11 +512,14 @@ def finish(out_dir: Path, settings: DataSettings, stats, counts: dict, seconds: 
             rows["loss_mask"].append(mask)
             rows["shard"].append(shard.stem)
             rows["row"].append(row)
+        total.merge(health)
+        per_shard[shard.stem] = health.figures()
     if not rows["id"]:
         raise ValueError(f"no conversations were produced from source '{settings.source}' ({stats.summary()}; "
                          f"{counts['skipped_long_prompts']} prompts longer than data.max_prompt_tokens="
                          f"{settings.max_prompt_tokens} skipped)")
     table = datasets.Dataset.from_dict(rows)
+    figures = judge(out_dir, settings, total, per_shard, target.tokenizer)
     tmp = out_dir / "tokenized.tmp"
     table.save_to_disk(str(tmp))
     swap_directory(tmp, out_dir / "tokenized")
@@ -467,6 +528,6 @@ def finish(out_dir: Path, settings: DataSettings, stats, counts: dict, seconds: 
         prefilled_tokens=counts["prefilled_tokens"], seconds=seconds,
         skipped_long_prompts=counts["skipped_long_prompts"], truncated_prompts=counts["truncated_prompts"],
         source_summary=stats.summary(), training_tokens=sum(len(x) for x in rows["input_ids"]),
-        assistant_tokens=sum(sum(m) for m in rows["loss_mask"]))
+        assistant_tokens=sum(sum(m) for m in rows["loss_mask"]), health=figures)
 
 

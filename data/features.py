@@ -25,11 +25,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from draftsmith.heads.files import human_size, require_free_space, save_tensors_atomic, write_atomic
+from draftsmith.heads.files import human_size, require_free_space, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +65,12 @@ def estimate_bytes(tokens: int, layers, hidden_size: int) -> int:
     return tokens * len(set(layers)) * hidden_size * BYTES_PER_VALUE
 
 
-def _checksum(features: torch.Tensor) -> str:
-    return hashlib.sha256(features.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
-
-
 STREAM_CHUNK = 16 << 20
 
 
 def streamed_checksum(path: Path) -> str:
     """The sha256 of the `features` tensor's bytes, read from the file in 16 MiB pieces (the same digest
-    as `_checksum` of the tensor: safetensors stores it as its little-endian bytes)."""
+    as hashing the tensor's bytes in memory: safetensors stores it as its little-endian bytes)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         header_size = int.from_bytes(f.read(8), "little")
@@ -112,19 +109,62 @@ def _stamped(path: Path, sha256: str | None) -> bool:
 def write_shard(path: Path, per_record: list[torch.Tensor], layers, target_hash: str,
                 max_tokens: int | None = None) -> None:
     """per_record: one [tokens_i, layers, d] tensor per record, in record order, each stored cut to
-    `max_tokens` (what training reads: data.max_seq_len)."""
-    if max_tokens is not None:
-        per_record = [f[:max_tokens] for f in per_record]
-    features = torch.cat([f.to(torch.bfloat16).cpu() for f in per_record]) if per_record else torch.zeros(0)
-    offsets = torch.tensor([0] + [f.shape[0] for f in per_record]).cumsum(0)
-    sha256 = _checksum(features)
+    `max_tokens` (what training reads: data.max_seq_len).
+
+    Written as a safetensors file record by record (its header first, from the shapes and a first,
+    hashing pass): the shard is never held twice in memory, as a concatenation would."""
+    import uuid
+
+    pieces = [_as_bytes_view(f[:max_tokens] if max_tokens is not None else f) for f in per_record]
+    if pieces and len({p.shape[1:] for p in pieces}) > 1:
+        raise CacheError(f"feature shard {path}: records of different shapes {sorted({p.shape[1:] for p in pieces})}")
+    digest = hashlib.sha256()
+    for piece in pieces:
+        digest.update(memoryview(piece.numpy()).cast("B"))
+    sha256 = digest.hexdigest()
+    rows = sum(p.shape[0] for p in pieces)
+    tail = list(pieces[0].shape[1:]) if pieces else []
+    offsets = torch.tensor([0] + [p.shape[0] for p in pieces]).cumsum(0)
+    feature_bytes = rows * (math.prod(tail) if tail else 0) * BYTES_PER_VALUE
     metadata = {"layers": json.dumps(sorted(set(layers))), "target": target_hash, "sha256": sha256}
     if max_tokens is not None:
         metadata["max_tokens"] = str(max_tokens)
+    header = {"__metadata__": metadata,
+              "offsets": {"dtype": "I64", "shape": [len(offsets)], "data_offsets": [0, 8 * len(offsets)]},
+              "features": {"dtype": "BF16", "shape": [rows, *tail],
+                           "data_offsets": [8 * len(offsets), 8 * len(offsets) + feature_bytes]}}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
     path.parent.mkdir(parents=True, exist_ok=True)
-    del per_record
-    save_tensors_atomic({"features": features.contiguous(), "offsets": offsets}, path, metadata=metadata)
+    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(encoded).to_bytes(8, "little"))
+            f.write(encoded)
+            f.write(offsets.to(torch.int64).numpy().tobytes())     # where safetensors itself puts it: first
+            for piece in pieces:
+                f.write(memoryview(piece.numpy()).cast("B"))
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _stamp(path, sha256)            # written from the bytes in hand: checked by construction
+
+
+def _as_bytes_view(features: torch.Tensor) -> torch.Tensor:
+    """A record's features as contiguous bf16 on the CPU, viewed as int16 (numpy has no bf16)."""
+    return features.to(torch.bfloat16).cpu().contiguous().view(torch.int16)
+
+
+def shard_bytes(records: list[dict]) -> int:
+    """What a shard's records take on disk: their features (as stored) and their JSONL lines, roughly."""
+    total = 0
+    for r in records:
+        feats = r.get("features")
+        if feats is not None:
+            total += feats.numel() * BYTES_PER_VALUE
+        total += len(r["input_ids"]) * 40
+    return total
 
 
 class ShardReader:

@@ -8,7 +8,7 @@ drive it:
   (data/stream.py); a shard is written as soon as its last conversation finishes, and each
   conversation turn samples with its own seeded generator, so a resumed run reproduces an
   uninterrupted one;
-- vLLM (`regenerate_batch`): one shard at a time, each turn one vLLM call.
+- vLLM (`regenerate_with_vllm`): many shards at a time, each turn one vLLM call for all of them.
 """
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ class ShardWork:
     """One planned shard's conversations while their turns are regenerated."""
 
     def __init__(self, target: Target, index: int, batch: list[sources.Conversation], settings, seed: int,
-                 counts: dict):
+                 counts: dict, exclude: set[str] = frozenset()):
         self.target, self.index, self.batch, self.settings, self.counts = target, index, batch, settings, counts
+        self.exclude = exclude            # conversations an earlier run kept as parts of this shard
         self.seed = seed
         self.chats = {c.id: [] for c in batch}
         self.records: dict[str, dict] = {}
@@ -66,11 +67,13 @@ class ShardWork:
         prompt = fit_prompt(self.target, messages, self.settings, self.counts)
         return None if prompt is None else (messages, prompt)
 
+    def seed_of(self, position: int, turn: int) -> int:
+        return ((self.seed * 1_000_003 + self.index) * 4099 + position) * 131 + turn
+
     def generator(self, position: int, turn: int) -> torch.Generator | None:
         if self.settings.temperature <= 0:
             return None
-        seed = ((self.seed * 1_000_003 + self.index) * 4099 + position) * 131 + turn
-        return torch.Generator(device=self.target.device).manual_seed(seed % (2 ** 63))
+        return torch.Generator(device=self.target.device).manual_seed(self.seed_of(position, turn) % (2 ** 63))
 
     def take(self, position: int, messages: list[dict], prompt, out) -> bool:
         """File a finished reply; True if the conversation goes on to its next turn."""
@@ -90,26 +93,23 @@ class ShardWork:
         return [self.records[c.id] for c in self.batch if c.id in self.records]
 
 
-def regenerate_batch(target: Target, work: ShardWork, on_tokens) -> list[dict]:
-    """vLLM: one shard, each turn one call for all its conversations."""
-    from . import vllm_backend
-
-    alive = list(range(len(work.batch)))
-    generator = torch.Generator().manual_seed(work.seed * 1_000_003 + work.index)
-    for turn in range(work.settings.max_turns):
-        jobs = [(p, job) for p in alive if (job := work.next_job(p, turn)) is not None]
+def regenerate_with_vllm(engine, works: list[ShardWork], on_tokens) -> None:
+    """vLLM: the conversations of many shards, each turn one call for all of them (the engine batches
+    and schedules them itself; a conversation's next turn waits for its reply)."""
+    alive = [(work, p) for work in works for p, conv in enumerate(work.batch) if conv.id not in work.exclude]
+    for turn in range(max(w.settings.max_turns for w in works) if works else 0):
+        jobs = [(work, p, job) for work, p in alive if (job := work.next_job(p, turn)) is not None]
         if not jobs:
             break
-        seed = int(torch.randint(0, 2 ** 31, (1,), generator=generator))
-        outs = vllm_backend.generate_batch(target, [prompt.input_ids for _, (_, prompt) in jobs],
-                                           work.settings.max_new_tokens, work.settings.temperature,
-                                           work.settings.top_p, seed, on_tokens)
-        alive = [p for (p, (messages, prompt)), out in zip(jobs, outs) if work.take(p, messages, prompt, out)]
-    return work.result()
+        outs = engine.generate([prompt.input_ids for _, _, (_, prompt) in jobs],
+                               [work.seed_of(p, turn) % (2 ** 31) for work, p, _ in jobs], works[0].settings,
+                               on_tokens)
+        alive = [(work, p) for (work, p, (messages, prompt)), out in zip(jobs, outs)
+                 if work.take(p, messages, prompt, out)]
 
 
 class Regenerator:
-    """Regenerates shards through one continuously refilled batch of settings.batch_size rows;
+    """Regenerates shards through one continuously refilled batch of `rows` rows (data.batch_size);
     `write(index, records)` is called as each shard completes (not necessarily in index order).
     A new shard is admitted when the queue empties, so at most the live rows are in flight.
 
@@ -120,11 +120,11 @@ class Regenerator:
     generator, so the parts and the rest together hold what an uninterrupted run writes."""
 
     def __init__(self, target: Target, settings, seed: int, counts: dict, on_tokens, capture_layers, write,
-                 deadline: float | None = None, write_part=None):
+                 deadline: float | None = None, write_part=None, rows: int | None = None):
         self.target, self.settings, self.seed, self.counts, self.write = target, settings, seed, counts, write
         self.deadline, self.write_part = deadline, write_part
         self.written = 0
-        self.stream = Stream(target, settings.max_new_tokens, settings.batch_size, settings.temperature,
+        self.stream = Stream(target, settings.max_new_tokens, rows or settings.batch_size, settings.temperature,
                              settings.top_p, capture_layers, on_tokens)
         self.inflight: dict[int, ShardWork] = {}
         self.kept_parts = 0                       # finished conversations written as parts at the cap

@@ -40,8 +40,12 @@ def resolve_recipe(name: str) -> Path:
 
 
 def cmd_data(args) -> dict:
+    """The recipe's data step; under torchrun or accelerate launch, one process per device, each making its
+    share of the shards (data/progress.py)."""
     import torch
-    from draftsmith.heads.files import DirectoryLock, require_writable
+    from draftsmith.data.progress import data_launch, launch_from_environment
+    from draftsmith.heads.device import resolve_device
+    from draftsmith.heads.files import require_writable
     from draftsmith.train.batches import make_recipe_data
     from draftsmith.train.settings import load_recipe
 
@@ -50,15 +54,27 @@ def cmd_data(args) -> dict:
         from draftsmith.train.plan import dry_run
         return dry_run(recipe, recipe.target.load(), "data")
     require_writable(recipe.out, "output_dir")
-    with DirectoryLock(recipe.out, "data run"):
-        target = recipe.target.load()
-        report = make_recipe_data(recipe, target)
+    device = resolve_device(recipe.target.device)
+    rank, world, local_rank = launch_from_environment()
+    if world > 1 and device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+    # vLLM generates with the target's weights off the device; they load for the feature pass, after it
+    with_vllm = recipe.data.backend == "vllm" and recipe.data.mode != "prefill"
+    with data_launch(recipe.out, recipe.train.dist_timeout_minutes) as launch:
+        target = recipe.target.load("cpu", layers=False) if with_vllm else recipe.target.load(device)
+        report = make_recipe_data(recipe, target, launch=launch, full_target=lambda: recipe.target.load(device))
+    if report is None:                    # not the main rank: it made its shards, the main rank says the rest
+        return {}
+    health = report.health or {}
     print(f"data: {report.conversations} conversations, {report.training_tokens} tokens "
           f"({report.assistant_tokens} reply tokens) in {recipe.out / 'data'}; generated {report.generated_tokens} "
-          f"and prefilled {report.prefilled_tokens} tokens in {report.seconds:.0f}s ({report.tokens_per_second:.0f} tok/s); "
+          f"and prefilled {report.prefilled_tokens} tokens in {report.seconds:.0f}s ({report.tokens_per_second:.0f} tok/s"
+          f"{f' over {world} processes' if world > 1 else ''}); "
           f"{report.skipped_long_prompts} long prompts skipped, {report.truncated_prompts} truncated"
-          + (f"; peak GPU memory {torch.cuda.max_memory_allocated(target.device) / 2 ** 30:.1f} GiB"
-             if target.device.type == "cuda" else ""))
+          + (f"; replies: {health['stopped_share']:.0%} stopped, {health['loop_share']:.1%} in loops, top token "
+             f"{health['top_token_share']:.1%}" if health else "")
+          + (f"; peak GPU memory {torch.cuda.max_memory_allocated(device) / 2 ** 30:.1f} GiB"
+             if device.type == "cuda" else ""))
     return vars(report) | {"tokens_per_second": report.tokens_per_second}
 
 

@@ -318,7 +318,11 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
             rate = measured.get("batch_tokens_per_s", {}).get((level["temperature"], level["concurrency"], mode))
             if rate is not None and "all" in level["groups"]:
                 level["groups"]["all"][mode]["tokens_per_s_batch"] = rate
+    from draftsmith.data.health import of_outputs
+    target_health = of_outputs([r.tokens for r in runs if r.mode == "plain" and r.repeat == 0 and r.concurrency ==
+                                settings.concurrency[0]], settings.max_new_tokens)
     report = {
+        "target_health": target_health,
         "checkpoint": str(checkpoint), "kind": config.get("kind"), "target": str(target_path), "device": measured["device"],
         "dtype": measured["dtype"], "proposal": measured["proposal"], "engine": measured["engine"],
         "baseline": measured.get("baseline", "plain"),

@@ -64,6 +64,9 @@ def header_lines(report: dict) -> list[str]:
 
 def markdown(report: dict, plots: list[str] = ()) -> str:
     lines = [f"# draftsmith bench: {report['checkpoint']}", ""] + [f"- {line}" for line in header_lines(report)]
+    if report.get("target_health"):
+        from draftsmith.data.health import eval_line
+        lines += [f"- {eval_line(report['target_health'])}"]
     lines += ["", f"**Recommendation:** {report['recommendation']}", ""]
     for level in report["results"]:
         groups = level["groups"]

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 
 import torch
-from draftsmith.data import sources
+from draftsmith.data import health, sources
 from draftsmith.data.chat import prompt_ids
 from draftsmith.heads.device import resolve_device, synchronize
 from draftsmith.heads.drafter import checkpoint_target, load_drafter, read_config
@@ -91,6 +91,7 @@ class EvalReport:
     exact_text_tau: dict | None = None       # tau on the fp32-checked prompts: in fp32 (plain decoding's own text)
                                              # and in the timed dtype, whose text may part from it at a near-tie
     drift: dict | None = None                # Medusa-2: the adapted target against the original (eval/drift.py)
+    target_health: dict | None = None        # data/health.py figures of the target's own plain output here
     per_prompt: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -198,7 +199,7 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
     prompts, sizing = fit_budget(prompts, options, costs["target_forward_ms"] / 1000, dtype)
     if options.lookup:
         drafter.clear_counts()                   # count the timed prompts only
-    results, started = [], time.perf_counter()
+    results, started, plain_outputs = [], time.perf_counter(), []
     for index, (prompt_id, prompt) in enumerate(prompts):
         if over_budget(options, results, time.perf_counter() - started, dtype):
             sizing += f"; stopped after {len(results)} prompts: they took longer than the measured forward implied"
@@ -206,6 +207,7 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
             break
         timed = run_modes(target, drafter, prompt, options, options.seed + 2 * index)
         plain, spec = timed.plain_tokens, timed.speculative_tokens
+        plain_outputs.append(plain)
         identical = plain == spec if options.temperature <= 0 else None
         common = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
         results.append(PromptResult(prompt_id, len(prompt), len(spec), timed.accepted, timed.seconds,
@@ -227,6 +229,8 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
     report.sizing, report.target_forward_ms, report.draft_step_ms = (sizing, costs["target_forward_ms"],
                                                                      costs["draft_step_ms"])
     report.dtype = target.precision
+    report.target_health = health.of_outputs(plain_outputs, options.max_new_tokens, target.eos_token_ids,
+                                             target.tokenizer)
     if options.lookup:
         report.accepted_by_source = dict(drafter.accepted)
     if "medusa2" in config and config.get("target_adapter"):         # trained the backbone: not the original's

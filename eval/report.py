@@ -40,6 +40,9 @@ def markdown(report: EvalReport) -> str:
         f"- greedy exact (fp32, {report.exact_checked_prompts} prompts): **{report.greedy_exact}**"
         + (f" (first mismatch: {report.first_mismatch})" if report.first_mismatch else ""),
     ]
+    if report.target_health:
+        from draftsmith.data.health import eval_line
+        lines.append(f"- {eval_line(report.target_health)}")
     if report.exact_text_tau:
         lines.append(f"- tau on the {report.exact_checked_prompts} checked prompts: "
                      + ", ".join(f"{tau:.2f} in {name}" for name, tau in report.exact_text_tau.items())

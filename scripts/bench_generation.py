@@ -82,10 +82,12 @@ def main():
             line += f" | transformers generate {hf_generated / hf_seconds:7.1f} tok/s ({hf_seconds:.0f}s)"
         if args.vllm:
             from draftsmith.data import vllm_backend
-            vllm_backend.generate_batch(target, prompts[:2], 4)                      # engine start-up, untimed
+            from draftsmith.data.distill import DataSettings
+            settings = DataSettings(max_prompt_tokens=max(map(len, prompts)), max_new_tokens=args.max_new_tokens)
+            engine = vllm_backend.Engine(target, settings)                           # start-up, untimed
             v_generated, start = 0, time.perf_counter()
             for i in range(0, len(prompts), batch_size):
-                outs = vllm_backend.generate_batch(target, prompts[i:i + batch_size], args.max_new_tokens)
+                outs = engine.generate(prompts[i:i + batch_size], [0] * len(prompts[i:i + batch_size]), settings)
                 v_generated += sum(len(o.token_ids) for o in outs)
             v_seconds = time.perf_counter() - start
             line += f" | vLLM backend {v_generated / v_seconds:7.1f} tok/s ({v_seconds:.0f}s)"

@@ -219,6 +219,23 @@ def main() -> int:
         stage("default: quickstart", lambda: run(
             "quickstart", f"output_dir={work / 'quickstart'}", f"target.device={device}", "data.max_minutes=0.5",
             "data.max_conversations=256", "train.max_minutes=0.5", "eval.limit=3", "eval.max_new_tokens=64"), results)
+    def data_stage():
+        """The transformers backend on the 8B-shaped random target: tokens/s and peak memory (its lines)."""
+        done = subprocess.run([sys.executable, "scripts/rehearse.py", "--device", str(device), "--data-mode",
+                               "regenerate", "--conversations", "256", "--tokens", "1024", "--batch-size", "auto",
+                               "--data-only", "--work", str(work / "data-8b")], capture_output=True, text=True,
+                              timeout=900, cwd=REPO)
+        print(done.stdout, flush=True)
+        if done.returncode:
+            raise RuntimeError(done.stdout[-1500:] + done.stderr[-1500:])
+        import importlib.util
+        if importlib.util.find_spec("vllm") is not None:
+            return "vLLM is installed here: data.backend=vllm can be tried on this machine"
+        return "vLLM is not installed in this image: only the transformers backend was checked"
+    if args.skip_rehearsal:
+        print("SKIP  data: 8B shapes             --skip-rehearsal", flush=True)
+    else:
+        stage("data: 8B shapes, transformers, batch auto", data_stage, results)
     if args.skip_rehearsal:
         print("SKIP  rehearsal: 8B shapes        --skip-rehearsal", flush=True)
     else:

@@ -198,6 +198,8 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU: the 2-process stage is skipped)")
     parser.add_argument("--data-mode", choices=["prefill", "regenerate"], default="prefill",
                         help="regenerate: the target writes the replies (tokens/s of regeneration on a GPU)")
+    parser.add_argument("--batch-size", default=None, help="data.batch_size (default 16 on a GPU, 2 on a CPU; auto)")
+    parser.add_argument("--data-only", action="store_true", help="stop after the data stage (the device check)")
     args = parser.parse_args()
 
     config = {**LLAMA_31_8B, "num_hidden_layers": args.layers}
@@ -223,7 +225,8 @@ def main() -> int:
     overrides = [f"target.path={target_dir}", f"target.device={args.device}", f"data.mode={args.data_mode}",
                  "data.backend=transformers", f"data.max_conversations={args.conversations}",
                  f"data.max_seq_len={args.tokens}", f"data.max_prompt_tokens={args.tokens // 2}",
-                 f"data.max_new_tokens={args.tokens // 2}", "data.max_turns=1", f"data.batch_size={16 if cuda else 2}",
+                 f"data.max_new_tokens={args.tokens // 2}", "data.max_turns=1",
+                 f"data.batch_size={args.batch_size or (16 if cuda else 2)}", "data.allow_degenerate=true",
                  "train.batch_size=2", "train.grad_accum=1", "train.warmup_steps=1", "train.eval_prompts=0",
                  "train.eval_every=0", "train.heldout_fraction=0.25", "train.save_every=2", "train.log_every=1",
                  "train.report_to=none", "train.mixed_precision=auto"]
@@ -242,6 +245,9 @@ def main() -> int:
            str(RECIPE), str(plan_file), f"output_dir={work / 'dry'}", *overrides]
     ok &= stage("dry run", dry, env, logs)["ok"]
     ok &= stage("data (prefill)" if args.data_mode == "prefill" else "data", draftsmith + ["data", str(RECIPE), f"output_dir={run}", *overrides], env, logs)["ok"]
+    if args.data_only:
+        print(f"      data only: {'ok' if ok else 'FAILED'}", flush=True)
+        sys.exit(0 if ok else 1)
     train = draftsmith + ["train", str(RECIPE), f"output_dir={run}", *overrides]
     one = stage("train, 1 process", train + [f"train.max_steps={args.steps}"], env, logs)
     ok &= one["ok"]

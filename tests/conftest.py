@@ -128,14 +128,19 @@ def kill_at_step(proc, checkpoint: Path, step: int, group: bool = False, timeout
     progress = Path(checkpoint) / "state" / "progress.json"
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        if progress.exists() and json.loads(progress.read_text() or "{}").get("step", 0) >= step:
-            break
+        try:
+            if json.loads(progress.read_text() or "{}").get("step", 0) >= step:
+                break
+        except (OSError, ValueError):            # not written yet, or swapped in this very moment
+            pass
         time.sleep(0.01)
     if group:
         os.killpg(proc.pid, signal.SIGKILL)
     else:
         proc.send_signal(signal.SIGKILL)
     proc.wait()
+    if not progress.exists():                    # killed inside the swap: the resume reads checkpoint.old
+        progress = Path(str(checkpoint) + ".old") / "state" / "progress.json"
     return json.loads(progress.read_text())
 
 

@@ -14,7 +14,8 @@ import torch
 from accelerate.utils import DistributedType
 from conftest import chats_file, tiny_recipe
 from draftsmith.data import features as feature_cache
-from draftsmith.data.distill import DataSettings, estimate_lengths, make_data, plan_batches, shard_paths
+from draftsmith.data.distill import DataSettings, make_data, plan_batches, shard_paths
+from draftsmith.data.space import estimate_lengths
 from draftsmith.heads.drafter import StepOutput
 from draftsmith.train.batches import Batches, DataNotReady
 from draftsmith.train.loop import Window, _log_window, _validate, total_tokens

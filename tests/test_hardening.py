@@ -291,20 +291,20 @@ def test_13_a_time_capped_run_needs_room_for_its_first_shards_not_for_every_conv
     import shutil
     from types import SimpleNamespace
 
-    from draftsmith.data import distill
+    from draftsmith.data import distill, space
     from draftsmith.heads.files import StorageError
 
     target = SimpleNamespace(hidden_size=64)
     batches = [[None] * 8 for _ in range(20)]
     capped = distill.DataSettings(batch_size=8, max_minutes=1.0)
-    measured = distill.LengthEstimate(300.0, 250.0, "a probe")
-    monkeypatch.setattr(distill, "estimate_lengths", lambda *args: measured)
+    measured = space.LengthEstimate(300.0, 250.0, "a probe")
+    monkeypatch.setattr(space, "estimate_lengths", lambda *args: measured)
 
     def needs(conversations):
-        return (int(conversations * measured.tokens * distill.JSONL_BYTES_PER_TOKEN)
+        return (int(conversations * measured.tokens * space.JSONL_BYTES_PER_TOKEN)
                 + distill.feature_cache.estimate_bytes(int(conversations * measured.cached_tokens), [1, 2], 64))
 
-    first = 8 * distill.IN_FLIGHT_SHARDS
+    first = 8 * space.IN_FLIGHT_SHARDS
     usage = shutil.disk_usage(tmp_path)
     for free, settings, refusal in [
             (needs(first) + 10, capped, None),
@@ -316,11 +316,11 @@ def test_13_a_time_capped_run_needs_room_for_its_first_shards_not_for_every_conv
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             if refusal is None:
-                distill._check_space(target, settings, tmp_path, batches, [1, 2], tmp_path / "features")
+                space.check_space(target, settings, tmp_path, batches, [1, 2], tmp_path / "features")
                 assert "all 160 conversations would need about" in caplog.text and "data.max_minutes=1.0" in caplog.text
             else:
                 with pytest.raises(StorageError, match=refusal):
-                    distill._check_space(target, settings, tmp_path, batches, [1, 2], tmp_path / "features")
+                    space.check_space(target, settings, tmp_path, batches, [1, 2], tmp_path / "features")
 
 
 def test_13_a_feature_cache_the_disk_cannot_hold_is_refused_before_it_is_written(trained, tiny_target, tmp_path,

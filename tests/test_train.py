@@ -24,7 +24,7 @@ RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 def test_every_recipe_loads_and_names_its_command(path):
     recipe = load_recipe(path)
     first = path.read_text().splitlines()[0]
-    assert first.startswith("# draftsmith ") or first.startswith("# accelerate launch"), first
+    assert first.startswith(("# draftsmith ", "# accelerate launch", "# torchrun ")), first
     assert recipe.method in ("medusa", "medusa2", "eagle", "eagle3")
 
 

@@ -30,12 +30,14 @@ def feature_layers(recipe, target: Target) -> tuple[int, ...]:
     return tuple(registry()[recipe.method](recipe.drafter, target).required_layers)
 
 
-def make_recipe_data(recipe, target: Target, progress: bool = True):
-    """The recipe's data step: self-distillation that also fills the feature cache its drafter will read."""
+def make_recipe_data(recipe, target: Target, progress: bool = True, launch=None, full_target=None):
+    """The recipe's data step: self-distillation that also fills the feature cache its drafter will read
+    (launch, full_target: data/distill.py make_data)."""
     from draftsmith.data.distill import make_data
 
     layers = feature_layers(recipe, target) if recipe.train.features == "cache" else ()
-    return make_data(target, recipe.data, recipe.out / "data", recipe.seed, progress=progress, capture_layers=layers)
+    return make_data(target, recipe.data, recipe.out / "data", recipe.seed, progress=progress, capture_layers=layers,
+                     launch=launch, full_target=full_target)
 
 
 @dataclass
@@ -70,6 +72,7 @@ def load_training_data(recipe, target: Target, layers=(), accelerator=None) -> T
     import datasets
     from draftsmith.data import features as feature_cache
     from draftsmith.data.distill import check_same_data, shard_paths
+    from draftsmith.data.health import require_healthy
 
     data_dir = recipe.out / "data"
     use_cache = recipe.train.features == "cache" and bool(layers)
@@ -81,6 +84,7 @@ def load_training_data(recipe, target: Target, layers=(), accelerator=None) -> T
     manifest = json.loads((data_dir / "manifest.json").read_text())
     TargetIdentity.from_dict(manifest["target"]).require_same(target.identity, f"the data in {data_dir}")
     check_same_data(data_dir, recipe.data, recipe.seed, target)     # trains on what the recipe describes
+    require_healthy(data_dir, recipe.data)      # junk data is not trained on (data.allow_degenerate overrides)
     source = None
     if use_cache:
         superset = feature_cache.existing_superset(data_dir, layers)

@@ -136,7 +136,8 @@ def dry_run(recipe, target, verb: str) -> dict:
     from draftsmith.data import features as feature_cache
     from draftsmith.data import sources
     from draftsmith.data.chat import tokenize_chat
-    from draftsmith.data.distill import columns, estimate_lengths
+    from draftsmith.data.distill import columns
+    from draftsmith.data.space import estimate_lengths
     from draftsmith.train.batches import feature_layers
 
     settings = recipe.data

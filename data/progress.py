@@ -1,0 +1,168 @@
+"""The processes of a data run, and a progress bar that tells the truth about all of them.
+
+Under `torchrun` or `accelerate launch`, `draftsmith data` runs one process per device: rank r makes
+the shards whose index is r modulo the world size (`Launch.owns`).  Each shard depends only on the
+seed and its index, so the ranks together write exactly what one process writes, any rank can be
+rerun alone, and a rerun with another world size finds every finished shard where it expects it.
+
+Progress: every rank writes its counts to `progress/rank-R.json` every few seconds; the main rank's
+bar adds them up, shows tokens per second for the whole run, and, under data.max_minutes, the time
+left to the cap (not to the end of the source, which a capped run never reaches).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from draftsmith.heads.files import write_atomic
+
+
+@dataclass
+class Launch:
+    rank: int = 0
+    world: int = 1
+    barrier: Callable[[], None] = field(default=lambda: None)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def owns(self, index: int) -> bool:
+        return index % self.world == self.rank
+
+
+def launch_from_environment() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun and accelerate launch set them; (0, 1, 0) alone."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
+
+
+WRITE_EVERY = 2.0      # seconds between a rank's progress files
+
+
+class Progress:
+    """Conversations and tokens done, by this rank and (on the main rank, from the files) by all."""
+
+    def __init__(self, out_dir: Path, total: int, done_before: int, launch: Launch, deadline: float | None,
+                 enabled: bool, desc: str):
+        from tqdm import tqdm
+
+        self.dir = Path(out_dir) / "progress"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.launch, self.deadline, self.start = launch, deadline, time.time()
+        self.conversations, self.tokens, self.written = 0, 0, 0.0
+        self.counts: dict = {}
+        self.shown = done_before
+        self.bar = tqdm(total=total, initial=done_before, desc=desc, unit="conv", dynamic_ncols=True,
+                        disable=not (enabled and launch.main),
+                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} conv [{elapsed}{postfix}]")
+        self.total = total
+        self._write(time.time())          # this run's counts replace an earlier run's file at once
+
+    def update(self, conversations: int = 0, tokens: int = 0) -> None:
+        self.conversations += conversations
+        self.tokens += tokens
+        now = time.time()
+        if now - self.written >= WRITE_EVERY:
+            self._write(now)
+
+    def _write(self, now: float) -> None:
+        self.written = now
+        write_atomic(self.dir / f"rank-{self.launch.rank}.json",
+                     json.dumps({"conversations": self.conversations, "tokens": self.tokens,
+                                 "seconds": now - self.start, "counts": self.counts}))
+        if self.launch.main:
+            self._show(now)
+
+    def ranks(self) -> list[dict]:
+        """The latest counts of every rank of this run."""
+        out = []
+        for rank in range(self.launch.world):
+            try:
+                out.append(json.loads((self.dir / f"rank-{rank}.json").read_text()))
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def _show(self, now: float) -> None:
+        ranks = self.ranks()
+        conversations = sum(r["conversations"] for r in ranks)
+        tokens = sum(r["tokens"] for r in ranks)
+        seconds = max(now - self.start, 1e-6)
+        self.bar.update(self.shown + conversations - self.bar.n)
+        rate = conversations / seconds
+        left = (self.total - self.bar.n) / rate if rate > 0 else None
+        note = f", {tokens / seconds:.0f} tok/s"
+        if self.launch.world > 1:
+            note += f" over {len(ranks)}/{self.launch.world} ranks"
+        if self.deadline is not None:
+            to_cap = max(0.0, self.deadline - now)
+            if left is None or to_cap < left:
+                note += f", cap in {_clock(to_cap)} (data.max_minutes)"
+                left = None
+        if left is not None:
+            note += f", ~{_clock(left)} left"
+        self.bar.set_postfix_str(note.lstrip(", "), refresh=True)
+
+    def close(self, counts: dict) -> None:
+        """The final counts of this rank (read back by the main rank: `totals`)."""
+        self.counts = dict(counts)
+        self._write(time.time())
+        self.bar.close()
+
+    def totals(self) -> dict:
+        """Every rank's final counts, summed (the main rank, after the ranks' barrier)."""
+        summed: dict = {}
+        for r in self.ranks():
+            for key, value in r.get("counts", {}).items():
+                summed[key] = summed.get(key, 0) + value
+        return summed
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+@contextmanager
+def data_launch(out_dir: Path, timeout_minutes: float):
+    """This process's `Launch`, holding output_dir's lock for the run: alone, the lock; under a launcher,
+    a gloo process group (its barriers only: shards are files), the main rank holding the lock for all of
+    them, so a second launch on the same directory is refused on every one of its ranks."""
+    from datetime import timedelta
+
+    from draftsmith.heads.files import DirectoryLock, StorageError
+
+    rank, world, _ = launch_from_environment()
+    if world == 1:
+        with DirectoryLock(out_dir, "data run"):
+            yield Launch()
+        return
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(minutes=timeout_minutes))
+    lock, refusal = DirectoryLock(out_dir, "data run"), None
+    try:
+        if rank == 0:
+            try:
+                lock.__enter__()
+            except StorageError as err:
+                refusal = err
+        refused = torch.tensor([int(refusal is not None)])
+        dist.broadcast(refused, 0)
+        if refused.item():
+            raise refusal or StorageError(16, f"'{out_dir}' is in use by another draftsmith process (rank 0 of "
+                                              "this launch could not lock it); wait for it, or use another output_dir")
+        try:
+            yield Launch(rank, world, barrier=dist.barrier)
+        finally:
+            if rank == 0:
+                lock.__exit__(None, None, None)
+    finally:
+        dist.destroy_process_group()
