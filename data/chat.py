@@ -40,8 +40,18 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
             f"tokenizer '{getattr(tokenizer, 'name_or_path', '?')}' has no chat template; draftsmith renders chats "
             "with the target's own template. For a base model set target.chat_template=none (plain text), or give "
             "a template: target.chat_template=FILE.jinja")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **getattr(tokenizer, "draftsmith_template_kwargs", {}))
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **getattr(tokenizer, "draftsmith_template_kwargs", {}))
+    except jinja2.exceptions.SecurityError as err:
+        raise ChatTemplateError(f"the chat template tried something the sandbox forbids ({err}); draftsmith renders "
+                                "templates sandboxed: use a template that only formats the messages") from None
+    except jinja2.TemplateError as err:
+        raise ChatTemplateError(f"the chat template failed while rendering a chat ({type(err).__name__}: "
+                                f"{str(err).splitlines()[0] if str(err) else 'no message'}); fix the template "
+                                "(target.chat_template)") from None
 
 
 @dataclass
@@ -114,3 +124,32 @@ def _tokenize(tokenizer, text: str, spans: list[tuple[int, int]], max_length: in
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a chat ending with the generation prompt, ready for the assistant's reply."""
     return tokenizer(render(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+
+
+LONG_PROMPTS = ("truncate", "refuse")
+
+
+def fit_context(prompts: list[tuple[str, list[int], int]], context: int, policy: str, setting: str) -> list[list[int]]:
+    """Each (id, prompt ids, new tokens) fitted to a target context of `context` positions: a prompt that
+    leaves no room for its new tokens keeps its last context - new tokens ids (the generation prompt
+    survives) under policy "truncate", with one warning; under "refuse" it is an error naming it."""
+    import logging
+
+    out, cut = [], []
+    for rid, ids, new_tokens in prompts:
+        room = context - new_tokens
+        if len(ids) <= room:
+            out.append(ids)
+            continue
+        if policy == "refuse" or room < 1:
+            raise ValueError(f"prompt '{rid}' has {len(ids)} tokens, and with {new_tokens} new tokens it does not fit "
+                             f"the target's context of {context}; shorten it, lower the new tokens, or set "
+                             f"{setting} to truncate")
+        cut.append((rid, len(ids)))
+        out.append(ids[-room:])
+    if cut:
+        logging.getLogger("draftsmith").warning(
+            "%d prompt(s) longer than the target's context of %d (less the new tokens) were cut to their last "
+            "tokens, e.g. '%s' (%d tokens); set %s to refuse to stop instead", len(cut), context, cut[0][0],
+            cut[0][1], setting)
+    return out

@@ -100,7 +100,13 @@ def record_turns(record, where: str) -> tuple[list, object, str]:
             raise DataError(f"{where}: 'prompt' must be a string, got a JSON {_json_kind(record['prompt'])}")
         turns = [{"role": "user", "content": record["prompt"]}]
     else:
-        turns = record.get("messages", record.get("conversations"))
+        field = "messages" if "messages" in record else "conversations"
+        turns = record.get(field)
+        if field in record and not isinstance(turns, list):
+            hint = (" (a CSV column holds text: store the chats as JSONL, or as Parquet with a list column)"
+                    if isinstance(turns, str) else "")
+            raise DataError(f"{where}: '{field}' must be a list of turns (objects with role and content), got "
+                            f"a {_json_kind(turns)}{hint}")
         if not isinstance(turns, list):
             raise DataError(f"{where}: expected a 'messages', 'conversations' or 'prompt' field"
                             + (f" (has {sorted(record)[:8]})" if record else " (the object is empty)"))

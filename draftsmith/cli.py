@@ -36,7 +36,7 @@ def resolve_recipe(name: str) -> Path:
         return Path(str(shipped))
     available = sorted(p.name.removesuffix(".yaml") for p in resources.files("draftsmith.recipes").iterdir()
                        if p.name.endswith(".yaml"))
-    raise SystemExit(f"error: recipe '{name}' not found: give a YAML file or one of {available}")
+    raise ValueError(f"recipe '{name}' not found: give a YAML file or one of {available}")
 
 
 def cmd_data(args) -> dict:
@@ -46,6 +46,7 @@ def cmd_data(args) -> dict:
     from draftsmith.data.progress import data_launch, launch_from_environment
     from draftsmith.heads.device import resolve_device
     from draftsmith.heads.files import require_writable
+    from draftsmith.heads.outputs import guard_output
     from draftsmith.train.batches import make_recipe_data
     from draftsmith.train.settings import load_recipe
 
@@ -53,6 +54,7 @@ def cmd_data(args) -> dict:
     if args.dry_run:
         from draftsmith.train.plan import dry_run
         return dry_run(recipe, recipe.target.load(), "data")
+    guard_output(recipe.out, "data", "run", overwrite=True, foreign_ok=True)
     require_writable(recipe.out, "output_dir")
     device = resolve_device(recipe.target.device)
     rank, world, local_rank = launch_from_environment()
@@ -98,7 +100,7 @@ def cmd_train(args) -> dict:
 
 EVAL_KEYS = ("prompts", "limit", "max_new_tokens", "temperature", "top_p", "rule", "dtype", "baselines",
              "exact_prompts", "seed", "cost_per_hour", "target", "adapter", "device", "device_map", "max_minutes",
-             "lookup")   # flag names = keys
+             "lookup", "long_prompts", "require_checksum")   # flag names = keys
 
 
 def eval_settings(args):
@@ -123,15 +125,23 @@ def cmd_eval(args) -> dict:
     from draftsmith.eval.report import markdown, write_json
     from draftsmith.heads.drafter import read_config
     from draftsmith.heads.files import require_writable
+    from draftsmith.heads.outputs import guard_output
 
     settings = eval_settings(args)
+    if settings.require_checksum:
+        os.environ["DRAFTSMITH_REQUIRE_CHECKSUM"] = "1"
     read_config(args.checkpoint)              # a damaged or missing checkpoint is named before anything loads
     if args.json:
+        guard_output(args.json, "eval --json", "eval report", sources=[args.checkpoint], overwrite=True)
         require_writable(Path(args.json).expanduser().resolve().parent, "the --json report's directory")
     report = evaluate(args.checkpoint, settings)
     print(markdown(report))
     if args.json:
-        write_json(report, args.json)
+        import json
+
+        from draftsmith.heads.files import keep_report
+        keep_report(lambda where: write_json(report, where), Path(args.json), "the --json report",
+                    lambda: json.dumps(report.to_dict(), indent=2), is_file=True)
         print(f"wrote {args.json}")
     from draftsmith.export.card import record_eval
     if settings.target is None and settings.adapter is None:     # the checkpoint's own target: its card says so
@@ -145,10 +155,12 @@ def cmd_eval(args) -> dict:
 def cmd_quickstart(args) -> dict:
     """Data, training and evaluation on the embedded default target, each within its budget."""
     from draftsmith.heads.files import DirectoryLock, require_writable
+    from draftsmith.heads.outputs import guard_output
     from draftsmith.train.settings import load_recipe
 
     start = time.time()
     recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
+    guard_output(recipe.out, "quickstart", "run", overwrite=True, foreign_ok=True)
     require_writable(recipe.out, "output_dir")
     with DirectoryLock(recipe.out, "quickstart"):
         return _quickstart(recipe, start)
@@ -209,13 +221,18 @@ def cmd_bench(args) -> dict:
                              device=args.device, target=args.target, adapter=args.adapter, engine=engine, concurrency=concurrency,
                              vllm_python=args.vllm_python, num_speculative_tokens=args.num_speculative_tokens,
                              endpoint=args.endpoint, baseline_endpoint=args.baseline_endpoint, lookup=args.lookup,
-                             against=args.against)
+                             against=args.against, long_prompts=args.long_prompts)
     out = Path(args.out)
+    from draftsmith.heads.outputs import guard_output
+    if args.checkpoint != "ngram":
+        guard_output(out, "bench", "bench report", sources=[args.checkpoint], overwrite=True, foreign_ok=True)
+    started = time.time()
     try:
         report = bench(args.checkpoint, settings, out)
     except KeyboardInterrupt:
-        print(f"interrupted: what was measured is in {out / 'report.md'} (marked incomplete)", file=sys.stderr)
-        raise
+        written = (out / "report.md").is_file() and (out / "report.md").stat().st_mtime >= started
+        raise Interrupted(f"interrupted: what was measured is in {out / 'report.md'} (marked incomplete)" if written
+                          else "interrupted before anything was measured: no report was written") from None
     print(markdown(report))
     print(f"wrote {out / 'report.md'}, {out / 'report.html'} and {out / 'report.json'}")
     return report
@@ -264,6 +281,9 @@ def _bench_parser(sub) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step (vllm engine)")
     p.add_argument("--lookup", type=int, default=0, metavar="K", help="draftsmith engine: also propose K tokens "
                    "copied from the context, merged into the drafter's tree (default 0: off)")
+    p.add_argument("--long-prompts", default="truncate", choices=["truncate", "refuse"], help="a request that, "
+                   "with its new tokens, does not fit the target's context: keep its last tokens, with a warning "
+                   "(default), or stop with an error")
     p.add_argument("--against", default="plain", choices=["plain", "ngram"], help="vllm engine: what the drafter is "
                    "timed against, interleaved: plain decoding (default) or vLLM's ngram speculation (the free "
                    "drafter, with --num-speculative-tokens and prompt_lookup_max 3)")
@@ -314,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=S, help="target path (default: the one the checkpoint names)")
     p.add_argument("--adapter", default=S,
                    help="LoRA adapter on the target (default: the one the checkpoint was trained with; none: bare)")
+    p.add_argument("--long-prompts", default=S, help="truncate (default: a prompt that, with its new tokens, does "
+                   "not fit the target's context keeps its last tokens, with a warning) or refuse")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--device", default=S, help="auto (default: cuda when present, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--device-map", default=S, help="spread the target over the devices: auto, balanced, "
@@ -348,6 +370,14 @@ VERBS = {"data": cmd_data, "train": cmd_train, "eval": cmd_eval, "bench": cmd_be
          "import": cmd_import}
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, with what the verb itself says about what was kept."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -355,15 +385,26 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         VERBS[args.verb](args)
+    except Interrupted as stop:
+        print(stop.message, file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
         print("interrupted: finished work is kept; run the same command again to continue", file=sys.stderr)
         return 130
     except Exception as err:               # one line with the fix; the traceback only with -v
         if args.verbose:
             raise
+        _close_progress_bars()             # the error starts a line of its own
         print(f"error: {describe(err)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _close_progress_bars() -> None:
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def describe(err: BaseException) -> str:

@@ -18,6 +18,7 @@ def add_tool_parsers(sub) -> None:
     p.add_argument("out_dir")
     p.add_argument("--target", default=None, help="the target it drafts for (default: the one the export names)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier import in OUT_DIR (never anything else)")
     p = sub.add_parser("push", help="upload a checkpoint with its model card to the Hugging Face Hub")
     p.add_argument("checkpoint")
     p.add_argument("repo_id", help="owner/name on the Hub (created if missing)")
@@ -87,23 +88,23 @@ def cmd_show(args) -> dict:
 
 def cmd_import(args) -> dict:
     """A drafter written for a serving stack, read back as a draftsmith checkpoint (warm starts)."""
-    import json
-
-    from draftsmith.export.importers import import_checkpoint
+    from draftsmith.export.importers import ImportError_, check_format, import_checkpoint, read_export_config
     from draftsmith.heads.device import resolve_device
     from draftsmith.heads.files import require_writable
+    from draftsmith.heads.outputs import guard_output
     from draftsmith.heads.target import Target
 
     source = Path(args.source)
-    config_file = source / "config.json"
-    if not config_file.is_file():
-        raise SystemExit(f"error: '{source}' is not an export: no config.json")
-    named = json.loads(config_file.read_text())
-    target_path = args.target or (named.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
-                                  or named.get("base_model_name_or_path"))
+    named = read_export_config(source)
+    check_format(source, named, args.fmt)                 # a --from the export contradicts, before anything loads
+    guard_output(args.out_dir, "import", "imported checkpoint", sources=[source], overwrite=args.overwrite)
+    verifier = named.get("speculators_config", {})
+    verifier = verifier.get("verifier", {}) if isinstance(verifier, dict) else {}
+    target_path = args.target or (verifier.get("name_or_path") if isinstance(verifier, dict) else None) \
+        or named.get("base_model_name_or_path")
     if not target_path:
-        raise SystemExit(f"error: '{source}' does not name its target: give it with --target PATH")
-    require_writable(Path(args.out_dir), "the output directory")
+        raise ImportError_(f"'{source}' does not name its target: give it with --target PATH")
+    require_writable(Path(args.out_dir).parent, "the output directory's parent")
     target = Target.load(target_path, "float32", resolve_device(args.device), layers=False)
     out = import_checkpoint(source, args.fmt, args.out_dir, target)
     print(f"imported {args.fmt} export {source} as a draftsmith checkpoint in {out} (target {target.name}); "
@@ -112,20 +113,34 @@ def cmd_import(args) -> dict:
 
 
 def cmd_push(args) -> dict:
-    """Upload a checkpoint (its card, weights, config and recipe; never the resume state) to the Hub."""
+    """Upload a checkpoint (an allowlist: card, weights, config, recipe, last eval, exports; never the resume
+    state) to the Hub.  The token is checked before anything is staged; the checkpoint is never changed."""
     import tempfile
 
     from draftsmith.export.card import push_folder
+    from draftsmith.heads.drafter import read_config
+    from huggingface_hub import HfApi, get_token
 
+    read_config(Path(args.checkpoint))                      # not a checkpoint: named before anything else
+    if not get_token():
+        raise PushError("no Hugging Face token: log in with `hf auth login` or set HF_TOKEN; nothing was uploaded")
     formats = tuple(f for f in (args.export or "").split(",") if f)
     with tempfile.TemporaryDirectory(prefix="draftsmith-push-") as tmp:
         folder = push_folder(Path(args.checkpoint), Path(tmp) / "folder", formats)
-        from huggingface_hub import HfApi
-
-        api = HfApi()
-        api.create_repo(args.repo_id, private=args.private, exist_ok=True)
-        info = api.upload_folder(folder_path=str(folder), repo_id=args.repo_id,
-                                 commit_message=f"draftsmith push of {Path(args.checkpoint).name}")
         files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+        api = HfApi()
+        try:
+            api.create_repo(args.repo_id, private=args.private, exist_ok=True)
+            info = api.upload_folder(folder_path=str(folder), repo_id=args.repo_id,
+                                     commit_message=f"draftsmith push of {Path(args.checkpoint).name}")
+        except Exception as err:          # offline, a bad token, no rights: huggingface_hub's many error types
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            raise PushError(f"the upload to '{args.repo_id}' failed ({type(err).__name__}: {first}); nothing was "
+                            "uploaded: check the network, the token's write access and the repository name, then "
+                            "push again") from None
     print(f"pushed {len(files)} files to https://huggingface.co/{args.repo_id}")
     return {"repo_id": args.repo_id, "files": files, "commit": str(getattr(info, "oid", info))}
+
+
+class PushError(ValueError):
+    """A push that cannot start, or an upload that failed (nothing uploaded)."""

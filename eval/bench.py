@@ -157,6 +157,7 @@ class BenchSettings:
     baseline_endpoint: str | None = None      # the same target served without it
     lookup: int = 0                           # draftsmith engine: context-lookup tokens merged into each tree
     against: str = "plain"                    # vllm engine: the baseline engine, plain or ngram (vLLM's prompt lookup)
+    long_prompts: str = "truncate"            # a request longer than the target's context: truncate or refuse
 
     def __post_init__(self):
         self.temperatures = tuple(float(t) for t in self.temperatures)
@@ -180,6 +181,8 @@ class BenchSettings:
                              f"the drafter's tree); got {self.lookup} with engine '{self.engine}'")
         if self.num_speculative_tokens < 1:
             raise BenchError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.long_prompts not in ("truncate", "refuse"):
+            raise BenchError(f"--long-prompts must be truncate or refuse, got '{self.long_prompts}'")
         if self.against not in AGAINST:
             raise BenchError(f"--against must be one of {', '.join(AGAINST)}, got '{self.against}'")
         if self.against != "plain" and self.engine != "vllm":
@@ -338,7 +341,9 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
         "seconds": time.time() - started,
         "runs": [dataclasses.asdict(r) for r in runs],
     }
-    write_reports(report, out_dir)
+    from draftsmith.heads.files import keep_report
+    from .bench_report import markdown
+    keep_report(lambda where: write_reports(report, where), out_dir, "the bench report", lambda: markdown(report))
     if not measured["complete"]:
         raise KeyboardInterrupt
     return report
@@ -365,7 +370,8 @@ def run_draftsmith(checkpoint: str, target_path: str, settings: BenchSettings, p
     drafter = load_drafter(checkpoint, target).to(target.dtype)
     drafter = configure_proposal(drafter, target, EvalSettings(device=str(device), lookup=settings.lookup))
     proposal = drafter.describe_proposal()
-    traffic = load_traffic(target.tokenizer, settings.traffic, settings.limit, settings.seed, settings.max_new_tokens)
+    traffic = load_traffic(target.tokenizer, settings.traffic, settings.limit, settings.seed, settings.max_new_tokens,
+                           target.context_length, settings.long_prompts)
     decode(target, traffic.requests[0].prompt, 8)                   # warm-up: both modes once, untimed
     decode(target, traffic.requests[0].prompt, 8, drafter)
     bar = progress(2 * len(traffic.requests) * settings.repeats * len(settings.temperatures)) if progress else None

@@ -153,7 +153,7 @@ def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSet
     """Export, start both engines, sweep. Returns runs, completeness, per-level acceptance and batch walls.
 
     progress: None, or a function of the total number of requests that returns a progress bar."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from draftsmith.heads.assets import resolve_target_path
     from draftsmith.export import export
@@ -174,8 +174,9 @@ def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSet
         raise BenchError(f"vLLM {version} cannot load a Medusa drafter with a reduced draft vocabulary ('weights not "
                          "initialized: token_map'); this checkpoint has one. Train it with "
                          "drafter.draft_vocab_size: null for vLLM, or bench it with --engine draftsmith")
+    context = getattr(AutoConfig.from_pretrained(served), "max_position_embeddings", None)
     traffic = load_traffic(AutoTokenizer.from_pretrained(served), settings.traffic, settings.limit, settings.seed,
-                           settings.max_new_tokens)
+                           settings.max_new_tokens, context, settings.long_prompts)
     longest = max(len(r.prompt) + r.max_tokens for r in traffic.requests)
     common = ["--target", served, "--dtype", dtype, "--max-num-seqs", str(max(settings.concurrency)),
               "--max-model-len", str(longest + settings.num_speculative_tokens + 16)]

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from draftsmith.data import health, sources
-from draftsmith.data.chat import prompt_ids
+from draftsmith.data.chat import fit_context, prompt_ids
 from draftsmith.heads.device import resolve_device, synchronize
 from draftsmith.heads.drafter import checkpoint_target, load_drafter, read_config
 from draftsmith.heads.drafter import target_path as checkpoint_target_path
@@ -98,7 +98,10 @@ class EvalReport:
         return asdict(self)
 
 
-def load_prompts(target: Target, source: str, limit: int) -> list[tuple[str, list[int]]]:
+def load_prompts(target: Target, source: str, limit: int, max_new_tokens: int = 0,
+                 long_prompts: str = "truncate") -> list[tuple[str, list[int]]]:
+    """(id, prompt ids) of the first `limit` prompts, each fitted to the target's context with room for
+    `max_new_tokens` (cut or refused: eval.long_prompts)."""
     convs = sources.conversations(source, limit=limit)
     out = []
     for conv in convs:
@@ -108,6 +111,10 @@ def load_prompts(target: Target, source: str, limit: int) -> list[tuple[str, lis
         out.append((conv.id, prompt_ids(target.tokenizer, messages)))
     if not out:
         raise ValueError(f"no prompts in '{source}'")
+    if target.context_length:
+        fitted = fit_context([(pid, ids, max_new_tokens) for pid, ids in out], target.context_length, long_prompts,
+                             "eval.long_prompts")
+        out = [(pid, ids) for (pid, _), ids in zip(out, fitted)]
     return out
 
 
@@ -192,7 +199,7 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
     drafter = load_drafter(checkpoint, target).to(target.dtype)     # fp32 beside a CPU float16 (packed) target
     drafter = configure_proposal(drafter, target, options)
     description = drafter.describe_proposal()
-    prompts = load_prompts(target, options.prompts, options.limit)
+    prompts = load_prompts(target, options.prompts, options.limit, options.max_new_tokens, options.long_prompts)
     # warm-up: every mode once, untimed (first calls allocate, and on a GPU load kernels)
     run_modes(target, drafter, prompts[0][1][:32], dataclasses.replace(options, max_new_tokens=8), 0)
     costs = step_costs(target, drafter, prompts[0][1])

@@ -15,7 +15,7 @@ from typing import NamedTuple
 from pathlib import Path
 
 from draftsmith.data import sources
-from draftsmith.data.chat import prompt_ids
+from draftsmith.data.chat import fit_context, prompt_ids
 
 UNCATEGORIZED = "uncategorized"
 
@@ -59,7 +59,14 @@ def _jsonl_traffic(path: Path, max_tokens: int) -> tuple[list[_Row], int]:
     if not path.is_file():
         raise TrafficError(f"traffic file '{path}' does not exist; give mt-bench, humaneval or a JSONL file")
     stats, rows, skipped = sources.SourceStats(), [], 0
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        number = raw.count(b"\n", 0, err.start) + 1
+        raise TrafficError(f"{path}:{number}: not UTF-8 text (byte {raw[err.start]:#04x}); save the file as "
+                           "UTF-8") from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -83,10 +90,12 @@ def _jsonl_traffic(path: Path, max_tokens: int) -> tuple[list[_Row], int]:
     return rows, skipped
 
 
-def load_traffic(tokenizer, source: str, limit: int, seed: int, max_tokens: int) -> Traffic:
+def load_traffic(tokenizer, source: str, limit: int, seed: int, max_tokens: int, context: int | None = None,
+                 long_prompts: str = "truncate") -> Traffic:
     """At most `limit` requests per category, drawn with `seed`; the first user turn is the request.
 
-    source: mt-bench, humaneval or a JSONL file, or several of them joined by commas (one sample)."""
+    source: mt-bench, humaneval or a JSONL file, or several of them joined by commas (one sample).
+    context: the target's context length; a request that does not fit is cut or refused (fit_context)."""
     rows, skipped = [], 0
     for name in [part.strip() for part in source.split(",") if part.strip()]:
         if name in sources.PROMPT_SETS:
@@ -116,4 +125,9 @@ def load_traffic(tokenizer, source: str, limit: int, seed: int, max_tokens: int)
             first_user = next(i for i, m in enumerate(row.messages) if m["role"] == "user")
             requests.append(Request(row.id, category, prompt_ids(tokenizer, row.messages[:first_user + 1]),
                                     row.max_tokens))
+    if context:
+        fitted = fit_context([(r.id, r.prompt, r.max_tokens) for r in requests], context, long_prompts,
+                             "the traffic (--long-prompts)")
+        for request, prompt in zip(requests, fitted):
+            request.prompt = prompt
     return Traffic(requests, {c: len(v) for c, v in by_category.items()}, skipped)

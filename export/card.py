@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from draftsmith.heads import strict_yaml
 from draftsmith.heads.assets import looks_like_hub_id
 from draftsmith.heads.drafter import CONFIG_FILE, WEIGHTS_FILE, read_config, target_path
 from draftsmith.heads.files import write_atomic
@@ -24,7 +25,8 @@ HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}      # embedde
 KINDS = {"medusa": "Medusa heads", "medusa2": "Medusa-2 heads", "eagle": "EAGLE-1 feature drafter",
          "eagle3": "EAGLE-3 drafter"}
 # what a pushed folder holds: the checkpoint without its resume state (optimizer, RNG)
-PUSHED = (CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, "recipe.yaml", LAST_EVAL_FILE, "adapter", "medusa2.json")
+PUSHED = (CONFIG_FILE, WEIGHTS_FILE, "recipe.yaml", LAST_EVAL_FILE, "medusa2.json")   # and the card, made anew
+ADAPTER_DIR = "adapter"      # a LoRA trained with the drafter: adapter_config.json and its safetensors only
 
 
 def base_model(config: dict) -> str:
@@ -49,7 +51,7 @@ def model_card(directory: Path) -> str:
     config = read_config(directory)
     target, kind = config["target"], config["kind"]
     kind_name = KINDS.get("medusa2" if "medusa2" in config else kind, kind)
-    recipe = yaml.safe_load((directory / "recipe.yaml").read_text()) if (directory / "recipe.yaml").is_file() else {}
+    recipe = strict_yaml.load((directory / "recipe.yaml").read_text()) if (directory / "recipe.yaml").is_file() else {}
     progress_file = directory / "state" / "progress.json"
     progress = json.loads(progress_file.read_text()) if progress_file.is_file() else {}
     last_eval = json.loads((directory / LAST_EVAL_FILE).read_text()) if (directory / LAST_EVAL_FILE).is_file() else None
@@ -149,24 +151,47 @@ def record_eval(directory: Path, report) -> None:
 
 
 def push_folder(checkpoint: Path, staging: Path, export_formats: tuple[str, ...] = (), dtype: str = "bfloat16") -> Path:
-    """The folder `draftsmith push` uploads: the checkpoint without its resume state, its card, and an
-    export per format in `export-FORMAT/`."""
+    """The folder `draftsmith push` uploads, staged without touching the checkpoint: an allowlist (weights,
+    config, card, recipe, last eval, the adapter's config and safetensors), an export per format in
+    `export-FORMAT/`, and no absolute local path in any of it (`_scrub`)."""
     from .core import export
 
     checkpoint, staging = Path(checkpoint), Path(staging)
     read_config(checkpoint)                       # a damaged checkpoint is named before anything is copied
-    write_card(checkpoint)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     for name in PUSHED:
-        source = checkpoint / name
-        if source.is_dir():
-            shutil.copytree(source, staging / name)
-        elif source.is_file():
-            shutil.copy2(source, staging / name)
-    for fmt in export_formats:
-        export(checkpoint, fmt, staging / f"export-{fmt}", dtype=dtype)
+        if (checkpoint / name).is_file():
+            shutil.copy2(checkpoint / name, staging / name)
+    adapter = checkpoint / ADAPTER_DIR
+    for source in sorted(adapter.glob("*")) if adapter.is_dir() else ():
+        if source.is_file() and (source.name == "adapter_config.json" or source.suffix == ".safetensors"):
+            (staging / ADAPTER_DIR).mkdir(exist_ok=True)
+            shutil.copy2(source, staging / ADAPTER_DIR / source.name)
+    (staging / CARD_FILE).write_text(model_card(checkpoint))          # the card as it is now, in the staging only
+    for fmt in export_formats:       # written beside the staging (an export never lands in a checkpoint), then moved
+        written = export(checkpoint, fmt, staging.with_name(f"{staging.name}-export-{fmt}"), dtype=dtype)
+        written.rename(staging / f"export-{fmt}")
+    for path in staging.rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".yaml", ".md"):
+            path.write_text(_scrub(path.read_text(encoding="utf-8"), checkpoint))
     return staging
+
+
+def _scrub(text: str, checkpoint: Path) -> str:
+    """`text` with no absolute local path: the checkpoint's own becomes relative to it (.), any other
+    absolute path that exists here its last part, the home directory ~."""
+    import re
+
+    root = str(checkpoint.resolve())
+    text = text.replace(root + "/", "./").replace(root, ".")
+
+    def local(match):
+        found = match.group(0)
+        return Path(found).name if Path(found).exists() and found != "/" else found
+
+    text = re.sub(r"(?<![\w.~])/(?:[\w.+-]+/)*[\w.+-]+", local, text)
+    return text.replace(str(Path.home()), "~")
 
 
 class Drafter:

@@ -24,7 +24,8 @@ import torch
 from safetensors.torch import save_file
 
 from draftsmith.heads.drafter import read_config, read_weights, target_path
-from draftsmith.heads.files import swap_directory
+from draftsmith.heads.files import as_disk_full, require_free_space, swap_directory
+from draftsmith.heads.outputs import EXPORT_MARK, checkpoint_around   # the mark --overwrite may replace
 
 from .layouts import check_shapes, layout
 
@@ -77,16 +78,28 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
         files["README.md"] += adapter_note(config)
     tmp = out_dir.with_name(out_dir.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    files = {**files, EXPORT_MARK: {"format": fmt, "checkpoint": str(checkpoint.resolve()), "dtype": dtype}}
-    for name, content in files.items():
-        (tmp / name).write_text(content if isinstance(content, str) else json.dumps(content, indent=2) + "\n")
-    for filename, state in tensors.items():
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / filename), metadata={"format": "pt"})
-    if with_target:             # base + adapter merged: a plain model any stack serves
-        target.model.to(_dtype(dtype)).save_pretrained(tmp / "target", safe_serialization=True)
-        target.tokenizer.save_pretrained(tmp / "target")
-    swap_directory(tmp, out_dir)
+    size = sum(t.numel() * _dtype(dtype).itemsize for state in tensors.values() for t in state.values())
+    if with_target:
+        size += sum(p.numel() for p in target.model.parameters()) * _dtype(dtype).itemsize
+    require_free_space(out_dir, size + (1 << 20), "the export", "or choose another directory for it")
+    created = not out_dir.parent.exists()
+    try:
+        tmp.mkdir(parents=True)
+        files = {**files, EXPORT_MARK: {"format": fmt, "checkpoint": str(checkpoint.resolve()), "dtype": dtype}}
+        for name, content in files.items():
+            (tmp / name).write_text(content if isinstance(content, str) else json.dumps(content, indent=2) + "\n")
+        for filename, state in tensors.items():
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / filename), metadata={"format": "pt"})
+        if with_target:             # base + adapter merged: a plain model any stack serves
+            target.model.to(_dtype(dtype)).save_pretrained(tmp / "target", safe_serialization=True)
+            target.tokenizer.save_pretrained(tmp / "target")
+        swap_directory(tmp, out_dir)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created and out_dir.parent.is_dir() and not any(out_dir.parent.iterdir()):
+            out_dir.parent.rmdir()           # no empty folder left behind
+        raise as_disk_full(err, tmp, "the export", "free some space or choose another directory, then export "
+                           "again (nothing was written)") from None
     return out_dir
 
 
@@ -122,7 +135,6 @@ it drafts for the wrong distribution.
 """
 
 
-EXPORT_MARK = "draftsmith-export.json"     # what marks a directory as an export that --overwrite may replace
 PROTECTED = ("config.json", "model.safetensors", "recipe.yaml", "data", "checkpoint", "manifest.json", "state")
 
 
@@ -132,6 +144,10 @@ def check_destination(checkpoint: Path, out_dir: Path, overwrite: bool) -> None:
     if dest == source or dest in source.parents:
         raise ExportError(f"cannot export into '{out_dir}': it is (or contains) the checkpoint '{checkpoint}'; "
                           "choose a new directory for the export")
+    around = checkpoint_around(dest)
+    if around is not None:
+        raise ExportError(f"cannot export into '{out_dir}': it is inside the checkpoint '{around}', and an export "
+                          "never writes into a checkpoint; choose a directory outside it")
     if not out_dir.exists() or not any(out_dir.iterdir()):
         return
     if not (out_dir / EXPORT_MARK).is_file():

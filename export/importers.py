@@ -15,12 +15,16 @@ the drafter draftsmith builds for that target.  Weights are read from safetensor
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from draftsmith.heads.drafter import describe, save_drafter
+from draftsmith.heads.files import as_disk_full, swap_directory
+from draftsmith.heads.outputs import EXPORT_MARK, IMPORT_KEY
 from draftsmith.heads.target import Target
 
 from .layouts import VOCABULARY, names
@@ -43,8 +47,57 @@ def _weights(source: Path) -> dict[str, torch.Tensor]:
                               "safetensors where you trust them, then import)" if pickled else ""))
     weights = {}
     for f in files:
-        weights.update({k: v.float() if v.is_floating_point() else v for k, v in load_file(str(f)).items()})
+        weights.update({k: v.float() if v.is_floating_point() else v for k, v in _load(f).items()})
     return weights
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    """One safetensors file; a truncated or garbled one is named."""
+    try:
+        return load_file(str(path))
+    except Exception as err:          # safetensors raises its own error type
+        raise ImportError_(f"'{path}' cannot be read as safetensors ({str(err).splitlines()[0]}); the export is "
+                           "damaged or incomplete: export or download it again") from None
+
+
+MEDUSA_FORMATS = ("vllm", "medusa-original")
+
+
+def read_export_config(source: Path) -> dict:
+    """The export's config.json, as a JSON object (each problem named with the file)."""
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        raise ImportError_(f"'{source}' is not an export: no config.json")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ImportError_(f"{path} is not valid JSON ({err}); the export is damaged: export it again") from None
+    if not isinstance(config, dict):
+        raise ImportError_(f"{path} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def check_format(source: Path, config: dict, fmt: str) -> bool:
+    """--from must agree with what the export says it is: draftsmith's own manifest, or a Medusa config.
+    True when draftsmith's manifest confirms the format."""
+    manifest_file = Path(source) / EXPORT_MARK
+    if manifest_file.is_file():
+        try:
+            written = json.loads(manifest_file.read_text(encoding="utf-8")).get("format")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            written = None
+        if written and written != fmt:
+            raise ImportError_(f"'{source}' was exported by draftsmith as '{written}' ({EXPORT_MARK}), not '{fmt}': "
+                               f"import it with --from {written}")
+    medusa = config.get("model_type") == "medusa" or "medusa_num_heads" in config
+    if medusa and fmt not in MEDUSA_FORMATS:
+        raise ImportError_(f"'{source}' holds a Medusa drafter, which no '{fmt}' export can be; import it with "
+                           f"--from {'medusa-original' if 'medusa_num_heads' in config else 'vllm'}")
+    if fmt == "medusa-original" and "medusa_num_heads" not in config:
+        raise ImportError_(f"'{source}' is not a FasterDecoding Medusa export (its config.json has no "
+                           "medusa_num_heads)" + ("; it is vLLM's Medusa layout: import it with --from vllm"
+                                                  if config.get("model_type") == "medusa" else ""))
+    return bool(manifest_file.is_file() and written == fmt)
 
 
 def import_drafter(source: str | Path, fmt: str, target: Target):
@@ -52,11 +105,10 @@ def import_drafter(source: str | Path, fmt: str, target: Target):
     source = Path(source)
     if fmt not in FORMATS:
         raise ImportError_(f"unknown format '{fmt}': draftsmith imports {', '.join(FORMATS)}")
-    if not (source / "config.json").is_file():
-        raise ImportError_(f"'{source}' is not an export: no config.json")
-    config = json.loads((source / "config.json").read_text())
+    config = read_export_config(source)
+    confirmed = check_format(source, config, fmt)
     if fmt == "medusa-original":
-        weights = load_file(str(source / "medusa_lm_head.safetensors")) if (
+        weights = _load(source / "medusa_lm_head.safetensors") if (
             source / "medusa_lm_head.safetensors").is_file() else _weights(source)
         return _medusa_original(config, {k: v.float() for k, v in weights.items()}, target)
     weights = _weights(source)
@@ -65,7 +117,7 @@ def import_drafter(source: str | Path, fmt: str, target: Target):
     if fmt == "eagle" and "d2t" not in weights:
         raise ImportError_(f"'{source}' is not an EAGLE-3 drafter (no d2t): draftsmith reads the EAGLE repository's "
                            "EAGLE-3 layout; its EAGLE-1/2 drafters (fc with a bias, layers.0.*) have no import yet")
-    return _eagle3(config, weights, target, fmt)
+    return _eagle3(config, weights, target, fmt, confirmed)
 
 
 def _fill(drafter, weights: dict, fmt: str, vocabulary: torch.Tensor, skip: set = frozenset()) -> None:
@@ -114,7 +166,7 @@ def _medusa_vllm(config: dict, weights: dict, target: Target):
     return drafter
 
 
-def _eagle3(config: dict, weights: dict, target: Target, fmt: str):
+def _eagle3(config: dict, weights: dict, target: Target, fmt: str, confirmed: bool = False):
     from draftsmith.heads.eagle3 import Eagle3, Eagle3Config, default_layer_ids
 
     layer = config.get("transformer_layer_config", config)              # speculators nests the layer's fields
@@ -127,7 +179,7 @@ def _eagle3(config: dict, weights: dict, target: Target, fmt: str):
         ids = default_layer_ids(target.num_layers)     # does: (2, N//2, N-3), the inputs of those decoder layers
     if not ids or len(ids) != 3:
         raise ImportError_("the export names no 3 fused target layers (eagle_aux_hidden_state_layer_ids)")
-    ids = [int(i) + 1 for i in ids] if fmt in OUTPUT_CONVENTION else [int(i) for i in ids]
+    ids = _convention_ids([int(i) for i in ids], fmt, target.num_layers, confirmed)
     target.check_layer_ids(ids, "the export's fused layers (draftsmith's hidden_states ids)")
     d2t = weights["d2t"].long()
     draft = torch.arange(d2t.numel()) + d2t                              # target id = draft id + d2t[draft id]
@@ -149,12 +201,44 @@ def _eagle3(config: dict, weights: dict, target: Target, fmt: str):
     return drafter
 
 
+def _convention_ids(written: list[int], fmt: str, num_layers: int, confirmed: bool = False) -> list[int]:
+    """The export's layer ids in draftsmith's convention (the input of decoder layer i).  SGLang and
+    TensorRT-LLM name a layer's output (ours minus one).  Ids that are exactly the other convention's
+    default for this target's depth, and not this one's, mean a wrong --from: refused."""
+    from draftsmith.heads.eagle3 import default_layer_ids
+
+    output = fmt in OUTPUT_CONVENTION
+    default = default_layer_ids(num_layers)
+    expected = [i - 1 for i in default] if output else default
+    other = default if output else [i - 1 for i in default]
+    if not confirmed and written != expected and written == other:
+        others = "vllm, speculators or eagle" if output else "sglang or trtllm"
+        raise ImportError_(f"the export's fused layers {written} are the default of the other layer-id convention for "
+                           f"this {num_layers}-layer target ({others}: '{'input' if output else 'output'} of layer i'), "
+                           f"but --from {fmt} reads them as the {'output' if output else 'input'} of layer i; give "
+                           "the format it was written in (--from)")
+    converted = [i + 1 for i in written] if output else written
+    logging.getLogger("draftsmith").info(
+        "import: --from %s names a decoder layer's %s: the export's layer ids %s are draftsmith's %s", fmt,
+        "output" if output else "input", written, converted)
+    return converted
+
+
 def import_checkpoint(source: str | Path, fmt: str, out_dir: str | Path, target: Target) -> Path:
     """Write the imported drafter as a draftsmith checkpoint (config.json, model.safetensors, README.md)."""
     from .card import write_card
 
+    out_dir = Path(out_dir)
     drafter = import_drafter(source, fmt, target)
-    drafter.metadata["imported_from"] = {"path": str(Path(source).resolve()), "format": fmt}
-    save_drafter(drafter, Path(out_dir))
-    write_card(out_dir)
-    return Path(out_dir)
+    drafter.metadata[IMPORT_KEY] = {"path": str(Path(source).resolve()), "format": fmt}
+    tmp = out_dir.with_name(out_dir.name + ".tmp-import")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save_drafter(drafter, tmp)
+        write_card(tmp)
+        swap_directory(tmp, out_dir)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise as_disk_full(err, tmp, "the imported checkpoint", "free some space or choose another directory, then "
+                           "import again (nothing was written)") from None
+    return out_dir

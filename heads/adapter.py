@@ -47,7 +47,13 @@ class Adapter:
         if not (path / CONFIG).is_file():
             raise AdapterError(f"target.adapter={path}: no {CONFIG} there; give a directory written by peft's "
                                "save_pretrained (adapter_config.json + adapter_model.safetensors)")
-        config = json.loads((path / CONFIG).read_text())
+        try:
+            config = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise AdapterError(f"target.adapter={path}: {path / CONFIG} is not valid JSON ({err}); give a directory "
+                               "written by peft's save_pretrained") from None
+        if not isinstance(config, dict):
+            raise AdapterError(f"target.adapter={path}: {path / CONFIG} must hold a JSON object")
         kind = str(config.get("peft_type", "")).upper()
         if kind != "LORA":
             raise AdapterError(f"target.adapter={path}: peft adapter type '{config.get('peft_type')}' is not supported; "

@@ -9,6 +9,7 @@ stay in each dataclass's `__post_init__`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 
@@ -98,6 +99,9 @@ def _number(value, kind, where: str):
         except ValueError:
             pass
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"{where} must be a finite number, got {value!r}; no setting takes nan or infinity "
+                              "(null where a setting means 'no limit')")
         if kind is float:
             return float(value)
         if isinstance(value, int) or value.is_integer():

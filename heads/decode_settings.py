@@ -58,12 +58,19 @@ class EvalSettings:
     device_map: str | None = None
     """A target bigger than one device: auto, balanced, balanced_low_0 or sequential (transformers'
     big-model loading); null: the whole target on `device`."""
+    long_prompts: str = "truncate"
+    """A prompt that, with max_new_tokens, does not fit the target's context: truncate (keep its last
+    tokens, with a warning) or refuse (an error naming it)."""
+    require_checksum: bool = False
+    """Refuse a checkpoint whose config.json records no weights checksum (by default: a warning)."""
     max_minutes: float | None = None
     """Fit the timed runs into this many minutes: prompts (then tokens) are cut from a measured forward cost."""
     tree_depth_topk_total: tuple | None = field(default=None, init=False, repr=False)
     """Set by evaluation: the dynamic tree the tuner chose (the fp32 exactness check reuses it)."""
 
     def __post_init__(self):
+        if self.long_prompts not in ("truncate", "refuse"):
+            raise ConfigError(f"eval.long_prompts must be truncate or refuse, got {self.long_prompts!r}")
         self.baselines = tuple(self.baselines)
         unknown = [b for b in self.baselines if b not in BASELINES]
         if unknown or "plain" not in self.baselines:

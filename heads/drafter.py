@@ -16,6 +16,8 @@ weights only), recipe.yaml, and state/ while training.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,7 +169,10 @@ def read_config(directory: Path) -> dict:
     return config
 
 
-def read_weights(directory: Path, config: dict | None = None) -> dict:
+_WARNED_UNVERIFIED: set[str] = set()
+
+
+def read_weights(directory: Path, config: dict | None = None, require_checksum: bool = False) -> dict:
     """model.safetensors, checked against the checksum config.json recorded when it was written."""
     directory = Path(directory)
     config = config or read_config(directory)
@@ -175,7 +180,17 @@ def read_weights(directory: Path, config: dict | None = None) -> dict:
     if not weights.is_file():
         raise FileNotFoundError(f"checkpoint '{directory}' has no {WEIGHTS_FILE}")
     recorded = config.get("weights_sha256")
-    if recorded and sha256_file(weights) != recorded:
+    if not recorded:
+        message = (f"checkpoint '{directory}' has no weights checksum (weights_sha256 in {CONFIG_FILE}): it cannot "
+                   "be verified")
+        if require_checksum or os.environ.get("DRAFTSMITH_REQUIRE_CHECKSUM", "") not in ("", "0"):
+            raise CheckpointError(f"{message}; restore its config.json from a copy, or train again "
+                                  "(eval.require_checksum / DRAFTSMITH_REQUIRE_CHECKSUM refuse it)")
+        if str(weights.resolve()) not in _WARNED_UNVERIFIED:
+            _WARNED_UNVERIFIED.add(str(weights.resolve()))
+            logging.getLogger("draftsmith").warning("%s; its bytes are used as they are (set eval.require_checksum=true "
+                                                    "or DRAFTSMITH_REQUIRE_CHECKSUM=1 to refuse it)", message)
+    elif sha256_file(weights) != recorded:
         raise CheckpointError(f"damaged checkpoint: {weights} does not match the checksum in {CONFIG_FILE} (its "
                               "bytes changed after it was saved); restore it from a copy or train again")
     try:

@@ -31,6 +31,9 @@ class TreeSettings:
     def __post_init__(self):
         if min(self.depth, self.top_k, self.total_tokens) < 1:
             raise ValueError(f"tree depth, top_k and total_tokens must be >= 1, got {self}")
+        if self.depth > 64 or self.top_k > 1024 or self.total_tokens > 4096:
+            raise ValueError(f"tree depth is at most 64, top_k at most 1024 and total_tokens at most 4096 (the target "
+                             f"verifies total_tokens at once; EAGLE-2 uses 6, 10 and 60), got {self}")
 
     @classmethod
     def chain(cls, length: int) -> TreeSettings:

@@ -67,8 +67,8 @@ class Eagle3Config:
     made from a published drafter) whose weights training starts from; null = a fresh drafter."""
 
     def __post_init__(self):
-        if self.ttt_steps < 1:
-            raise ValueError(f"drafter.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if not 1 <= self.ttt_steps <= 64:
+            raise ValueError(f"drafter.ttt_steps must be in [1, 64] (EAGLE-3 trains 7), got {self.ttt_steps}")
         if self.layer_ids is not None and len(self.layer_ids) != 3:
             raise ValueError(f"drafter.layer_ids must name 3 target layers, got {self.layer_ids}")
         TreeSettings(**self.tree)

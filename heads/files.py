@@ -28,9 +28,37 @@ def write_atomic(path: str | Path, content: str | bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if err.filename is None:            # a failed write() names no file: name the one being written
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def keep_report(write, destination: Path, what: str, text, is_file: bool = False) -> Path:
+    """`write(destination)` a report; when that fails (a full disk, a vanished directory) the report is
+    written to a fresh temporary directory instead, or else `text()` is printed, and the error (one line)
+    says where it went: a measured report is never lost."""
+    import tempfile
+
+    destination = Path(destination)
+    try:
+        write(destination)
+        return destination
+    except OSError as err:
+        reason = describe_os_error(err).split(";")[0]
+        try:
+            fallback = Path(tempfile.mkdtemp(prefix="draftsmith-report-"))
+            write(fallback / destination.name if is_file else fallback)
+            kept = f"it was written to '{fallback}' instead"
+        except OSError:
+            print(text(), flush=True)
+            kept = "it is printed above instead"
+        raise StorageError(err.errno or errno.EIO, f"{what} could not be written to '{destination}' ({reason}); "
+                                                   f"{kept}, nothing measured is lost") from None
 
 
 def save_tensors_atomic(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
@@ -77,15 +105,26 @@ def free_bytes(path: str | Path) -> int:
     return shutil.disk_usage(next(p for p in [path, *path.parents] if p.exists())).free
 
 
-def require_free_space(path: str | Path, needed_bytes: int, what: str) -> None:
+def require_free_space(path: str | Path, needed_bytes: int, what: str,
+                       fix: str = "choose another output_dir, or make less data (data.max_conversations)") -> None:
     """Raise StorageError when the file system holding `path` has less than `needed_bytes` free."""
     path = Path(path)
     free = free_bytes(path)
     if free < needed_bytes:
         raise StorageError(errno.ENOSPC,
                            f"{what} needs about {human_size(needed_bytes)} at '{path}', but only {human_size(free)} is free "
-                           "there; free some space, choose another output_dir, or make less data "
-                           "(data.max_conversations)")
+                           f"there; free some space, {fix}")
+
+
+def as_disk_full(err: BaseException, path: Path, what: str, fix: str) -> BaseException:
+    """A full disk met while writing `what` at `path` (an OSError, or safetensors' own error for one) as one
+    StorageError naming the path and the free space there; any other error as it is."""
+    text = str(err)
+    full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left" in text or "os error 28" in text
+    if not full:
+        return err
+    return StorageError(errno.ENOSPC, f"the disk is full writing {what} at '{path}' ({human_size(free_bytes(path))} "
+                                      f"free on that filesystem); {fix}")
 
 
 def describe_os_error(err: OSError) -> str:
@@ -97,8 +136,8 @@ def describe_os_error(err: OSError) -> str:
         directory = Path(err.filename).parent if err.filename else Path.cwd()
         existing = next((p for p in [directory, *directory.parents] if p.exists()), Path.cwd())
         return (f"the disk is full writing{where} ({human_size(shutil.disk_usage(existing).free)} free at "
-                f"'{existing}'); free some space or choose another output_dir. Finished work is kept: run the "
-                "same command again to continue")
+                f"'{existing}'); free some space or write elsewhere, then run the same command again (finished "
+                "data shards and checkpoints are kept, and it continues from them)")
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"cannot write{where}: {err.strerror}; choose a directory you can write to, or fix its permissions"
     return f"{err.strerror or err}{where}"

@@ -62,6 +62,9 @@ class MedusaConfig:
     def __post_init__(self):
         if self.num_heads < 1 or self.num_layers < 1:
             raise ValueError(f"medusa needs num_heads >= 1 and num_layers >= 1, got {self.num_heads}, {self.num_layers}")
+        if self.num_heads > MAX_HEADS or self.num_layers > MAX_HEADS:
+            raise ValueError(f"drafter.num_heads and drafter.num_layers are at most {MAX_HEADS} (a head per position "
+                             f"drafted; Medusa uses 4-5, each with 1 layer), got {self.num_heads} and {self.num_layers}")
         if self.lm_head not in ("shared", "own"):
             raise ValueError(f"drafter.lm_head must be 'shared' or 'own', got '{self.lm_head}'")
         if self.conditioning not in CONDITIONING:
@@ -70,6 +73,9 @@ class MedusaConfig:
             raise ValueError(f"drafter.labels must be 'target' or 'data', got '{self.labels}'")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"drafter.draft_vocab_size must be >= 1 or null, got {self.draft_vocab_size}")
+
+
+MAX_HEADS = 64      # far past any useful depth: the acceptance of head k falls off geometrically
 
 
 class ResidualBlock(nn.Module):

@@ -10,12 +10,48 @@ PLAIN = "none"      # target.chat_template: none renders turns as plain text (ba
 PLAIN_SEPARATOR = "\n\n"
 
 
+class TemplateError(ValueError):
+    """A target.chat_template that is not a template: a missing file, or Jinja that does not compile."""
+
+
+TEMPLATE_SYNTAX = ("{{", "{%")
+
+
+def template_text(template: str, where: str = "target.chat_template") -> str:
+    """The Jinja source `template` stands for: the text itself when it holds template syntax ({{ or {%),
+    else the file it names, which must exist and hold a template.  Either is compiled here, in the sandbox
+    transformers renders with, so a syntax error is named before anything loads."""
+    if any(mark in template for mark in TEMPLATE_SYNTAX):
+        source, origin = template, "the inline template"
+    else:
+        path = Path(template).expanduser()
+        if not path.is_file():
+            raise TemplateError(f"{where} '{template}' is neither a file nor a template: no such file, and no "
+                                "{{ or {% in it; give an existing .jinja file, an inline Jinja template, or none "
+                                "(plain text, for base models)")
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise TemplateError(f"{where} '{path}' cannot be read as UTF-8 text ({err}); give a .jinja file") from None
+        origin = f"'{path}'"
+        if not any(mark in source for mark in TEMPLATE_SYNTAX):
+            raise TemplateError(f"{where} {origin} holds no template syntax ({{{{ or {{%): it would render every "
+                                "prompt as its text; give a Jinja chat template")
+    import jinja2.sandbox
+
+    try:
+        jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(source)
+    except jinja2.TemplateSyntaxError as err:
+        raise TemplateError(f"{where}: {origin} is not valid Jinja at line {err.lineno}: {err.message}; fix the "
+                            "template") from None
+    return source
+
+
 def apply_chat_settings(tokenizer, template: str | None, kwargs: dict | None) -> None:
     """How every verb renders chats for this target (target.chat_template, target.chat_template_kwargs):
     kept on the tokenizer, which data, evaluation and bench all render through."""
     if template == PLAIN:
         tokenizer.draftsmith_plain_text = True
     elif template:
-        path = Path(template).expanduser()
-        tokenizer.chat_template = path.read_text() if "{" not in template and path.is_file() else template
+        tokenizer.chat_template = template_text(template)
     tokenizer.draftsmith_template_kwargs = dict(kwargs or {})

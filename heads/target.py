@@ -272,6 +272,12 @@ class Target:
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def context_length(self) -> int | None:
+        """The positions the target was built for (max_position_embeddings), where its config says."""
+        value = getattr(self.config, "max_position_embeddings", None)
+        return int(value) if isinstance(value, int) and value > 0 else None
+
     # -- pieces drafters reuse -------------------------------------------------
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target logits from final (normed) hidden states, as the model's own head computes them.

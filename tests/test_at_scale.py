@@ -161,7 +161,7 @@ def test_the_process_group_timeout_reaches_torch_distributed(tiny_target_dir, tm
         "from torch.distributed.distributed_c10d import _get_default_group\n"
         "group = _get_default_group()\n"
         "timeout = group._get_backend(__import__('torch').device('cpu')).options._timeout\n"
-        "print('TIMEOUT', timeout.total_seconds())\n")
+        "sys.stdout.write(f'TIMEOUT {timeout.total_seconds()}\\n'); sys.stdout.flush()\n")   # one write a rank
     import socket
     with socket.socket() as probe:                  # a port nothing else holds now
         probe.bind(("127.0.0.1", 0))
@@ -172,7 +172,7 @@ def test_the_process_group_timeout_reaches_torch_distributed(tiny_target_dir, tm
                            "--main_process_port", str(port), str(script)], env=env, capture_output=True, text=True,
                           cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.count("TIMEOUT 2220.0") == 2, done.stdout
+    assert done.stdout.count("TIMEOUT 2220.0\n") == 2, done.stdout
 
 
 def test_a_launch_of_several_processes_without_data_is_refused_before_the_target_loads(tiny_target_dir, tmp_path):

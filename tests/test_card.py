@@ -61,6 +61,7 @@ def test_push_uploads_the_checkpoint_without_its_resume_state_plus_the_exports(t
         seen["card"] = (folder / "README.md").read_text()
         return "commit-id"
 
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
     assert main(["push", str(checkpoint), "me/tiny-medusa", "--export", "vllm", "--private"]) == 0

@@ -223,7 +223,7 @@ def test_13_overrides_are_typed_when_parsed(tmp_path, trained, capsys):
 def test_13_recipe_yaml_with_a_syntax_error(tmp_path, capsys):
     (tmp_path / "broken.yaml").write_text("method: medusa\ntrain:\n  lr: [1e-3\n  epochs: 1\n")
     code, line = run_cli(capsys, "train", tmp_path / "broken.yaml")
-    assert code == 2 and "is not valid YAML at line" in line
+    assert code == 2 and "is not valid YAML: " in line and "at line 4" in line
 
 
 @pytest.mark.parametrize("line_text, kind", [("[1, 2]", "array"), ("42", "number")])

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 from draftsmith.heads.drafter import WEIGHTS_FILE, read_config, read_weights, save_drafter
-from draftsmith.heads.files import require_writable, swap_directory
+from draftsmith.heads.files import (StorageError, as_disk_full, free_bytes, human_size, require_writable,
+                                    swap_directory)
 from draftsmith.heads.target import TargetIdentity
 
 from .settings import Recipe, RecipeError, save_recipe
@@ -30,7 +31,11 @@ RESUME_FREE = {"resume", "overwrite", "output_dir", "eval", "train.max_steps", "
 
 
 def guard_output(recipe: Recipe) -> None:
-    """Before any work: output_dir can be written, and a trained checkpoint is not replaced unasked."""
+    """Before any work: output_dir is not another verb's work (outputs.guard_output), it can be written, and
+    a trained checkpoint is not replaced unasked."""
+    from draftsmith.heads import outputs
+
+    outputs.guard_output(recipe.out, "train", "run", overwrite=True, foreign_ok=True)
     require_writable(recipe.out, "output_dir")
     checkpoint = recipe.out / "checkpoint"
     if (checkpoint / WEIGHTS_FILE).is_file() and not recipe.resume and not recipe.overwrite:
@@ -65,17 +70,24 @@ def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimiz
     optimizer_state = _full_optimizer_state(model, optimizer) if sharding == "fsdp" else None
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "state").mkdir(parents=True)
-        save_drafter(drafter, tmp, state=weights)
-        save_recipe(recipe, tmp / "recipe.yaml")
-        if sharding is None:
-            torch.save(optimizer.state_dict(), tmp / "state" / "optimizer.pt")
-        elif sharding == "fsdp":          # gathered whole, keyed by parameter name
-            torch.save(optimizer_state, tmp / "state" / FSDP_OPTIMIZER)
-        (tmp / "state" / "scheduler.json").write_text(json.dumps(_scheduler_state(scheduler)))  # the directory
-        (tmp / "state" / "progress.json").write_text(json.dumps({**progress, "sharding": sharding}))  # is swapped in whole
-        from draftsmith.export.card import write_card
-        write_card(tmp)
+        require_checkpoint_space(directory, drafter)
+        try:
+            (tmp / "state").mkdir(parents=True)
+            save_drafter(drafter, tmp, state=weights)
+            save_recipe(recipe, tmp / "recipe.yaml")
+            if sharding is None:
+                torch.save(optimizer.state_dict(), tmp / "state" / "optimizer.pt")
+            elif sharding == "fsdp":          # gathered whole, keyed by parameter name
+                torch.save(optimizer_state, tmp / "state" / FSDP_OPTIMIZER)
+            (tmp / "state" / "scheduler.json").write_text(json.dumps(_scheduler_state(scheduler)))  # the directory
+            (tmp / "state" / "progress.json").write_text(json.dumps({**progress, "sharding": sharding}))  # is swapped
+            from draftsmith.export.card import write_card                                          # in whole
+            write_card(tmp)
+        except BaseException as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise as_disk_full(err, tmp, f"the checkpoint (the last one, in '{directory}', is kept)",
+                               "free some space, or choose another output_dir, then run the same command again "
+                               "(resume=true continues from the last checkpoint written)") from None
     accelerator.wait_for_everyone()
     torch.save({"torch": rank_state["torch"], "python": _python_state(rank_state["python"])},
                tmp / "state" / f"rng-{accelerator.process_index}.pt")
@@ -86,6 +98,39 @@ def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimiz
 
 
 FSDP_OPTIMIZER = "optimizer-fsdp.pt"
+
+
+def load_state_file(path: Path):
+    """A resume-state file, read with weights_only=True (tensors, numbers and containers; never pickled code)."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RecipeError(f"cannot resume: '{path}' is not resume state draftsmith wrote ({first[:120]}); draftsmith "
+                          "never unpickles code. Restore the checkpoint from a copy, or train anew without "
+                          "resume=true") from None
+
+
+def require_checkpoint_space(directory: Path, drafter) -> None:
+    """Refuse, before writing (and before training), a filesystem without room for one more checkpoint."""
+    import errno
+
+    needed, free = checkpoint_bytes(drafter), free_bytes(directory.parent)
+    if free < needed:
+        raise StorageError(errno.ENOSPC, f"a checkpoint of this drafter needs about {human_size(needed)} at "
+                                         f"'{directory.parent}', but only {human_size(free)} is free there; free some "
+                                         "space or choose another output_dir")
+
+
+def checkpoint_bytes(drafter) -> int:
+    """What a checkpoint of `drafter` writes: its own weights, plus AdamW's two fp32 moments per trained
+    parameter, plus a margin for the card, recipe and state files."""
+    own = {id(p): p for name, p in drafter.named_parameters() if not name.startswith("target.")}
+    weights = sum(p.numel() * p.element_size() for p in own.values())
+    moments = sum(p.numel() * 8 for p in own.values() if p.requires_grad)
+    return weights + moments + (1 << 20)
 
 
 def sharding_of(accelerator) -> str | None:
@@ -109,7 +154,7 @@ def _load_sharded(found: Path, model, optimizer, accelerator) -> None:
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     main = accelerator.is_main_process
     set_model_state_dict(model, read_weights(found) if main else {}, options=options)
-    saved = torch.load(found / "state" / FSDP_OPTIMIZER, weights_only=True, map_location="cpu") if main else {}
+    saved = load_state_file(found / "state" / FSDP_OPTIMIZER) if main else {}
     set_optimizer_state_dict(model, optimizer.optimizer, optim_state_dict=saved, options=options)
 
 
@@ -145,13 +190,13 @@ def find_checkpoint(directory: Path) -> Path | None:
 
 def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, scheduler) -> dict:
     """Restore weights, optimizer, scheduler, RNG and data position; refuse a checkpoint of another run."""
-    import yaml
+    from draftsmith.heads import strict_yaml
 
     found = find_checkpoint(directory)
     if found is None:
         raise FileNotFoundError(f"resume=true but {directory} holds no resumable checkpoint (no state/); "
                                 "start without resume=true")
-    saved = yaml.safe_load((found / "recipe.yaml").read_text())
+    saved = strict_yaml.load((found / "recipe.yaml").read_text())
     current = json.loads(json.dumps(recipe.to_dict()))
     diffs = _compare(json.loads(json.dumps(saved)), current)
     if diffs:
@@ -176,14 +221,14 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
         _load_sharded(found, model, optimizer, accelerator)
     else:
         drafter.load_state_dict(read_weights(found), strict=True)
-        optimizer.load_state_dict(torch.load(found / "state" / "optimizer.pt", weights_only=True, map_location="cpu"))
+        optimizer.load_state_dict(load_state_file(found / "state" / "optimizer.pt"))
     drafter.load_adapter(found)
     from draftsmith.heads.drafter import RESERVED
     drafter.metadata.update({k: v for k, v in read_config(found).items() if k not in RESERVED})
     scheduler.load_state_dict(json.loads((found / "state" / "scheduler.json").read_text()))
     rng_file = found / "state" / f"rng-{accelerator.process_index}.pt"
     if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True, map_location="cpu")
+        rng = load_state_file(rng_file)
         torch.set_rng_state(rng["torch"])
         version, internal, gauss = rng["python"]
         random.setstate((version, tuple(internal), gauss))

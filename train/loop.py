@@ -30,7 +30,7 @@ from draftsmith.heads.target import Target, TargetError
 from .accelerator import fill_deepspeed_sizes, make_accelerator, whole_parameters, whole_target
 from .batches import (Batches, feature_layers, load_training_data, require_data_for_launch, step_denominators,
                       training_target)
-from .checkpointing import guard_output, load_state, save_checkpoint
+from .checkpointing import guard_output, load_state, require_checkpoint_space, save_checkpoint
 from .schedule import warmup_cosine
 from .settings import Recipe
 
@@ -109,6 +109,8 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
     elif not same_device(target.device, accelerator.device):
         raise ValueError(f"the target given to fit() is on {target.device} but training runs on "
                          f"{accelerator.device}: load it with device={str(accelerator.device)!r}")
+    from draftsmith.train.plan import check_drafter_size
+    check_drafter_size(recipe, target, accelerator.num_processes)      # before data is made or it is allocated
     layers = feature_layers(recipe, target)
     try:            # under a launch, each process checks and builds its own share of the feature cache
         data = load_training_data(recipe, target, layers, accelerator)
@@ -121,6 +123,7 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
         data = load_training_data(recipe, target, layers, accelerator)
     torch.manual_seed(recipe.seed)      # the drafter's init must not depend on what ran before (data, checks)
     drafter = build_drafter(recipe, target, data.train).to(accelerator.device)
+    require_checkpoint_space(recipe.out / "checkpoint", drafter)         # before any step is trained
     global_batch = recipe.train.batch_size * accelerator.num_processes
     batches = Batches(data.train, global_batch, recipe.seed, data.features)
     heldout = Batches(data.heldout, recipe.train.batch_size, 0, data.features)

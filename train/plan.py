@@ -8,6 +8,7 @@ regenerated for 16 tokens, or prefilled) and two drafter training steps on it.
 """
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 from draftsmith.heads.files import free_bytes, human_size
+
+log = logging.getLogger("draftsmith")
 
 PROBE_CONVERSATIONS = 32
 PROBE_TOKENS = 32
@@ -141,6 +144,8 @@ def dry_run(recipe, target, verb: str) -> dict:
     from draftsmith.train.batches import feature_layers
 
     settings = recipe.data
+    if verb == "train":
+        check_drafter_size(recipe, target)             # before the probe allocates it
     convs = list(sources.conversations(settings.source, columns=columns(settings)))
     taken = len(convs) if settings.max_conversations is None else min(len(convs), settings.max_conversations)
     batches = math.ceil(taken / settings.batch_size)
@@ -214,3 +219,58 @@ def dry_run(recipe, target, verb: str) -> dict:
         plan["memory"] = memory
     print("\n".join(lines))
     return plan
+
+
+TRAINING_BYTES_PER_PARAMETER = 16      # fp32 weight, gradient and AdamW's two moments
+
+
+def check_drafter_size(recipe, target, world: int = 1) -> int:
+    """The drafter the recipe describes, counted with its parameters on the meta device (nothing allocated);
+    refused before any allocation when training it needs more memory than the device has in all, even
+    sharded over `world` processes (a bound for hopeless sizes, not a fit check: the dry run's probe and
+    --dry-run's memory line are that).  Returns its parameter count."""
+    from accelerate import init_empty_weights
+
+    from draftsmith.heads.drafter import registry
+    from draftsmith.train.settings import RecipeError
+
+    fix = "make it smaller (the drafter section: e.g. num_heads, num_layers, intermediate_size)"
+    try:
+        with init_empty_weights():         # parameters on the meta device; buffers (vocab maps, trees) real
+            drafter = registry()[recipe.method](recipe.drafter, target)
+    except RuntimeError as err:
+        if "can't allocate memory" in str(err) or "out of memory" in str(err):     # one tensor past what exists
+            raise RecipeError(f"the drafter this recipe describes ({recipe.method}) holds a tensor larger than this "
+                              f"machine's memory ({str(err).split('allocate')[-1].strip()[:80]}); {fix}") from None
+        log.debug("drafter size not checked on the meta device: %s", err)
+        return 0
+    except (NotImplementedError, TypeError) as err:     # a drafter that cannot be built on meta
+        log.debug("drafter size not checked on the meta device: %s", err)
+        return 0
+    owned = {id(p): p for p in drafter.parameters() if p.is_meta}     # the target's own weights are not counted
+    count = sum(p.numel() for p in owned.values())
+    needed = count * TRAINING_BYTES_PER_PARAMETER // max(world, 1)
+    total = total_memory(target.device)
+    if needed > total:
+        raise RecipeError(f"the drafter this recipe describes ({recipe.method}, {count:,} parameters) needs about "
+                          f"{human_size(needed)} to train (weights, gradients and optimizer state"
+                          + (f", sharded over {world} processes" if world > 1 else "")
+                          + f"), more than the {human_size(total)} {target.device} has in all; {fix}")
+    return count
+
+
+def total_memory(device) -> int:
+    """All the memory of `device`: a GPU's total, or the machine's MemTotal."""
+    import os
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 from draftsmith.data.distill import DataSettings
 from draftsmith.heads.decode_settings import EvalSettings
+from draftsmith.heads import strict_yaml
 from draftsmith.heads.config import ConfigError, coerce, config_from_dict
 from draftsmith.heads.drafter import registry
 
@@ -62,6 +63,12 @@ class TargetSettings:
             self.device_map = check_device_map(self.device_map)
         except DeviceError as err:
             raise RecipeError(f"target.device_map: {err}") from None
+        if self.chat_template not in (None, "none"):
+            from draftsmith.heads.prompt_format import TemplateError, template_text
+            try:
+                template_text(self.chat_template)
+            except TemplateError as err:
+                raise RecipeError(str(err)) from None
         if self.adapter is not None:
             from draftsmith.heads.adapter import Adapter, AdapterError
             try:
@@ -256,7 +263,14 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise RecipeError(f"override '{item}': '{part}' is not a section")
-        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+        if "{{" in value or "{%" in value:        # inline Jinja (target.chat_template): the text as given
+            node[parts[-1]] = value
+            continue
+        try:
+            node[parts[-1]] = strict_yaml.load(value) if value.strip() else None
+        except (yaml.YAMLError, strict_yaml.StrictYAMLError) as err:
+            raise RecipeError(f"override '{item}' is not a valid YAML value: {strict_yaml.one_line(err)}; quote "
+                              "it, or close its brackets") from None
     return raw
 
 
@@ -273,12 +287,9 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
                               "see `draftsmith recipes`)")
         path = Path(str(shipped))
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as err:
-        where = getattr(err, "problem_mark", None)
-        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise RecipeError(f"recipe '{path}' is not valid YAML{at}: {problem}") from None
+        raw = strict_yaml.load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, strict_yaml.StrictYAMLError) as err:
+        raise RecipeError(f"recipe '{path}' is not valid YAML: {strict_yaml.one_line(err)}") from None
     except UnicodeDecodeError:
         raise RecipeError(f"recipe '{path}' is not UTF-8 text") from None
     return recipe_from_dict(apply_overrides(raw, list(overrides)))

@@ -1,0 +1,87 @@
+"""The one guard every verb that writes passes its destination through, before any work.
+
+A destination is refused when it holds work of another kind (a checkpoint, a run, an export, a report),
+when it is the verb's own source, or when it sits inside a checkpoint (a checkpoint is written only by
+the training that made it).  `overwrite` replaces only an earlier output of the same verb.  The kinds
+are recognised by the files each verb leaves (`kind_of`).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+EXPORT_MARK = "draftsmith-export.json"      # written by `draftsmith export` into every export
+IMPORT_KEY = "imported_from"                 # in the config.json of a checkpoint `draftsmith import` wrote
+
+
+class OutputError(ValueError):
+    """A destination a verb must not write to."""
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def kind_of(path: str | Path) -> str | None:
+    """What `path` holds: None (missing or an empty directory), "checkpoint", "imported checkpoint",
+    "run" (a train/data output_dir), "export", "bench report", "eval report", or "other"."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    if path.is_file():
+        report = _json(path) if path.suffix == ".json" else None
+        return "eval report" if report is not None and "tau" in report and "checkpoint" in report else "other"
+    if not any(path.iterdir()):
+        return None
+    if (path / EXPORT_MARK).is_file():
+        return "export"
+    config = _json(path / "config.json") if (path / "config.json").is_file() else None
+    if config is not None and {"kind", "drafter", "target"} <= config.keys():
+        return "imported checkpoint" if IMPORT_KEY in config else "checkpoint"
+    if (path / "checkpoint").is_dir() or (path / "data").is_dir() or (path / "recipe.yaml").is_file():
+        return "run"
+    if (path / "report.json").is_file() and (path / "report.md").is_file():
+        return "bench report"
+    return "other"
+
+
+def checkpoint_around(path: str | Path) -> Path | None:
+    """The checkpoint `path` lies inside, if any (the path itself not counted)."""
+    for parent in Path(path).resolve().parents:
+        if kind_of(parent) in ("checkpoint", "imported checkpoint"):
+            return parent
+    return None
+
+
+def guard_output(destination: str | Path, verb: str, makes: str | tuple[str, ...], sources=(),
+                 overwrite: bool = False, flag: str = "--overwrite", foreign_ok: bool = False) -> None:
+    """Refuse `destination` for `verb` (which writes kind `makes`) unless it is new, empty, or (with
+    `overwrite`) an earlier output of the same kind; `sources` are the paths the verb reads.
+    foreign_ok: a directory of files no verb made is acceptable (the verb adds its own beside them)."""
+    destination = Path(destination)
+    resolved = destination.expanduser().resolve()
+    makes = (makes,) if isinstance(makes, str) else tuple(makes)
+    for source in sources:
+        source = Path(source).expanduser().resolve()
+        if resolved == source or resolved in source.parents:
+            raise OutputError(f"{verb} cannot write to '{destination}': it is (or holds) its own source '{source}'; "
+                              "choose a new directory")
+    around = checkpoint_around(resolved)
+    if around is not None:
+        raise OutputError(f"{verb} cannot write to '{destination}': it is inside the checkpoint '{around}', which "
+                          "only the training that made it writes; choose a directory outside it")
+    found = kind_of(resolved)
+    if found is None or (found == "other" and foreign_ok and resolved.is_dir()):
+        return
+    if found not in makes:
+        raise OutputError(f"{verb} cannot write to '{destination}': it already holds "
+                          + (f"a {found}" if found != "other" else "other files")
+                          + f" that {verb} did not make; choose a new or empty "
+                          + ("file" if resolved.is_file() else "directory"))
+    if not overwrite:
+        raise OutputError(f"'{destination}' holds an earlier {found}; pass {flag} to replace it, or choose a new "
+                          "directory")
