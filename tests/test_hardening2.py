@@ -274,7 +274,7 @@ def test_9_a_dry_run_refuses_a_drafter_before_allocating_it(trained, tiny_target
     raw["drafter"]["intermediate_size"] = 10 ** 13                    # one tensor past what the allocator reserves
     (tmp_path / "e3.yaml").write_text(yaml.safe_dump(raw))
     code, line = run_cli(capsys, "train", "--dry-run", tmp_path / "e3.yaml")
-    assert code == 2 and "larger than this machine's memory" in line
+    assert code == 2 and "TiB) larger than this machine can allocate" in line
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 16 * 2 ** 20       # KiB: nowhere near 24 GB
 
 

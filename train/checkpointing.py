@@ -68,9 +68,9 @@ def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimiz
     weights = accelerator.get_state_dict(model)             # every rank takes part under FSDP / ZeRO-3
     sharding = sharding_of(accelerator)
     optimizer_state = _full_optimizer_state(model, optimizer) if sharding == "fsdp" else None
+    require_checkpoint_space(directory, drafter)         # on every rank: none waits at a barrier for a failed one
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        require_checkpoint_space(directory, drafter)
         try:
             (tmp / "state").mkdir(parents=True)
             save_drafter(drafter, tmp, state=weights)

@@ -240,8 +240,11 @@ def check_drafter_size(recipe, target, world: int = 1) -> int:
             drafter = registry()[recipe.method](recipe.drafter, target)
     except RuntimeError as err:
         if "can't allocate memory" in str(err) or "out of memory" in str(err):     # one tensor past what exists
-            raise RecipeError(f"the drafter this recipe describes ({recipe.method}) holds a tensor larger than this "
-                              f"machine's memory ({str(err).split('allocate')[-1].strip()[:80]}); {fix}") from None
+            import re
+            asked = re.search(r"allocate (\d+) bytes", str(err))
+            size = f" ({human_size(int(asked.group(1)))})" if asked else ""
+            raise RecipeError(f"the drafter this recipe describes ({recipe.method}) holds a tensor{size} larger than "
+                              f"this machine can allocate; {fix}") from None
         log.debug("drafter size not checked on the meta device: %s", err)
         return 0
     except (NotImplementedError, TypeError) as err:     # a drafter that cannot be built on meta
