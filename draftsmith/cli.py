@@ -10,6 +10,8 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from .bench_command import Interrupted, add_bench_parser, cmd_bench
+
 log = logging.getLogger("draftsmith")
 
 QUICKSTART_RECIPE = "quickstart-smollm2-135m"
@@ -100,7 +102,7 @@ def cmd_train(args) -> dict:
 
 EVAL_KEYS = ("prompts", "limit", "max_new_tokens", "temperature", "top_p", "rule", "dtype", "baselines",
              "exact_prompts", "seed", "cost_per_hour", "target", "adapter", "device", "device_map", "max_minutes",
-             "lookup", "long_prompts", "require_checksum")   # flag names = keys
+             "lookup", "long_prompts")   # flag names = keys
 
 
 def eval_settings(args):
@@ -128,8 +130,6 @@ def cmd_eval(args) -> dict:
     from draftsmith.heads.outputs import guard_output
 
     settings = eval_settings(args)
-    if settings.require_checksum:
-        os.environ["DRAFTSMITH_REQUIRE_CHECKSUM"] = "1"
     read_config(args.checkpoint)              # a damaged or missing checkpoint is named before anything loads
     if args.json:
         guard_output(args.json, "eval --json", "eval report", sources=[args.checkpoint], overwrite=True)
@@ -205,39 +205,6 @@ def _quickstart(recipe, start: float) -> dict:
     return report.to_dict()
 
 
-def cmd_bench(args) -> dict:
-    """Speculation on and off, per category of the traffic, with a verdict and a report."""
-    from draftsmith.eval.bench import BenchError, BenchSettings, bench
-    from draftsmith.eval.bench_report import markdown
-
-    try:
-        concurrency = tuple(int(c) for part in args.concurrency for c in part.split(",") if c.strip())
-    except ValueError:
-        raise BenchError(f"--concurrency takes whole numbers, e.g. 1,4,16; got {' '.join(args.concurrency)}") from None
-    engine = args.engine or ("endpoint" if args.endpoint or args.baseline_endpoint else "draftsmith")
-    settings = BenchSettings(traffic=",".join(args.prompts), limit=args.limit, max_new_tokens=args.max_new_tokens,
-                             temperatures=tuple(args.temperature), repeats=args.repeats,
-                             cost_per_hour=args.cost_per_hour, seed=args.seed, dtype=args.dtype,
-                             device=args.device, target=args.target, adapter=args.adapter, engine=engine, concurrency=concurrency,
-                             vllm_python=args.vllm_python, num_speculative_tokens=args.num_speculative_tokens,
-                             endpoint=args.endpoint, baseline_endpoint=args.baseline_endpoint, lookup=args.lookup,
-                             against=args.against, long_prompts=args.long_prompts)
-    out = Path(args.out)
-    from draftsmith.heads.outputs import guard_output
-    if args.checkpoint != "ngram":
-        guard_output(out, "bench", "bench report", sources=[args.checkpoint], overwrite=True, foreign_ok=True)
-    started = time.time()
-    try:
-        report = bench(args.checkpoint, settings, out)
-    except KeyboardInterrupt:
-        written = (out / "report.md").is_file() and (out / "report.md").stat().st_mtime >= started
-        raise Interrupted(f"interrupted: what was measured is in {out / 'report.md'} (marked incomplete)" if written
-                          else "interrupted before anything was measured: no report was written") from None
-    print(markdown(report))
-    print(f"wrote {out / 'report.md'}, {out / 'report.html'} and {out / 'report.json'}")
-    return report
-
-
 def cmd_export(args) -> dict:
     from draftsmith.export import export
 
@@ -247,63 +214,8 @@ def cmd_export(args) -> dict:
     return {"out_dir": str(written)}
 
 
-def _bench_parser(sub) -> None:
-    """`draftsmith bench`'s flags."""
-    p = sub.add_parser("bench", help="speculation on or off? measured per category of your traffic, with a verdict",
-                       description="Every request runs with and without the drafter, interleaved, --repeats times; "
-                                   "the report (md, html with plots, json) gives TTFT, total time, tokens/s, cost, "
-                                   "acceptance and a verdict per category.")
-    p.add_argument("checkpoint", help="a trained checkpoint, or 'ngram' (with --engine vllm --target MODEL): "
-                   "vLLM's prompt-lookup speculation, which needs no training")
-    p.add_argument("--prompts", nargs="+", default=["mt-bench"], help="mt-bench (default), humaneval, or "
-                   "FILE.jsonl (chats or prompts; optional 'category' and 'max_tokens' per line); several make one "
-                   "sample, e.g. --prompts mt-bench humaneval")
-    p.add_argument("--limit", type=int, default=5, help="requests per category, sampled with --seed (default 5)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request unless a line says")
-    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more (default 0: greedy)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--cost-per-hour", type=float, default=None, help="machine price per hour, for cost per request")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--target", default=None, help="target path (default: the one the checkpoint names)")
-    p.add_argument("--adapter", default=None, help="LoRA adapter on the target (default: the checkpoint's; none: bare)")
-    p.add_argument("--out", default="bench", help="report directory (default ./bench)")
-    p.add_argument("--engine", default=None, help="draftsmith (default: its verifier, batch 1), vllm (your serving "
-                   "stack: the checkpoint is exported and served with and without the drafter), or endpoint "
-                   "(running servers; implied by --endpoint)")
-    p.add_argument("--endpoint", default=None, help="a running OpenAI-compatible server (e.g. vllm serve) with the "
-                   "drafter, measured by streaming; needs --baseline-endpoint")
-    p.add_argument("--baseline-endpoint", default=None, help="the same target served without the drafter")
-    p.add_argument("--concurrency", nargs="+", default=["1"], help="requests in flight, e.g. 1,4,16 (vllm engine)")
-    p.add_argument("--vllm-python", default=None, help="the vLLM environment's python (default: "
-                   "$DRAFTSMITH_VLLM_PYTHON, else ./.venv-vllm/bin/python)")
-    p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step (vllm engine)")
-    p.add_argument("--lookup", type=int, default=0, metavar="K", help="draftsmith engine: also propose K tokens "
-                   "copied from the context, merged into the drafter's tree (default 0: off)")
-    p.add_argument("--long-prompts", default="truncate", choices=["truncate", "refuse"], help="a request that, "
-                   "with its new tokens, does not fit the target's context: keep its last tokens, with a warning "
-                   "(default), or stop with an error")
-    p.add_argument("--against", default="plain", choices=["plain", "ngram"], help="vllm engine: what the drafter is "
-                   "timed against, interleaved: plain decoding (default) or vLLM's ngram speculation (the free "
-                   "drafter, with --num-speculative-tokens and prompt_lookup_max 3)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="verb", required=True)
-
-    for verb, helptext in (("data", "make the training data (self-distillation by the target)"),
-                           ("train", "train the recipe's drafter (makes the data first if missing)")):
-        p = sub.add_parser(verb, help=helptext)
-        p.add_argument("recipe", help="a recipe YAML or a shipped recipe name")
-        p.add_argument("overrides", nargs="*", help="key=value or section.key=value")
-        p.add_argument("--dry-run", action="store_true", help="print the conversations, tokens, feature-cache "
-                       "size against free disk and the minutes a short probe here predicts; write nothing")
-
-    add_tool_parsers(sub)
-
+def _eval_parser(sub) -> None:
+    """`draftsmith eval`'s flags: only those given are passed on (the defaults live in EvalSettings)."""
     p = sub.add_parser("eval", help="acceptance, speedup and exactness of a trained drafter",
                        description="Flags and key=value overrides set the same eval settings (docs/metrics.md); "
                                    "every value is checked before anything loads.")
@@ -343,7 +255,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-minutes", default=S,
                    help="fit the timed runs into this budget (prompts, then tokens, cut from a measured forward cost)")
 
-    _bench_parser(sub)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="verb", required=True)
+
+    for verb, helptext in (("data", "make the training data (self-distillation by the target)"),
+                           ("train", "train the recipe's drafter (makes the data first if missing)")):
+        p = sub.add_parser(verb, help=helptext)
+        p.add_argument("recipe", help="a recipe YAML or a shipped recipe name")
+        p.add_argument("overrides", nargs="*", help="key=value or section.key=value")
+        p.add_argument("--dry-run", action="store_true", help="print the conversations, tokens, feature-cache "
+                       "size against free disk and the minutes a short probe here predicts; write nothing")
+
+    add_tool_parsers(sub)
+
+    _eval_parser(sub)
+    add_bench_parser(sub)
 
     p = sub.add_parser("quickstart", help="data + training + evaluation on the embedded default target")
     p.add_argument("--recipe", default=QUICKSTART_RECIPE)
@@ -368,14 +297,6 @@ from .tools import add_tool_parsers, cmd_import, cmd_push, cmd_recipes, cmd_show
 VERBS = {"data": cmd_data, "train": cmd_train, "eval": cmd_eval, "bench": cmd_bench, "quickstart": cmd_quickstart,
          "export": cmd_export, "recipes": cmd_recipes, "show": cmd_show, "push": cmd_push,
          "import": cmd_import}
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C, with what the verb itself says about what was kept."""
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
 
 
 def main(argv: list[str] | None = None) -> int:

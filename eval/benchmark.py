@@ -178,7 +178,8 @@ def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOpt
     """fp32: speculative greedy equals plain greedy token for token, on the first `count` prompts."""
     target32 = checkpoint_target(read_config(checkpoint), "float32", resolve_device(options.device), target_path,
                                  options.adapter, device_map=options.device_map)
-    drafter32 = configure_proposal(load_drafter(checkpoint, target32).float(), target32, options)
+    drafter32 = configure_proposal(load_drafter(checkpoint, target32, options.require_checksum).float(), target32,
+                                   options)
     accepted = []
     for prompt_id, prompt in prompts[:count]:
         plain = decode(target32, prompt, options.max_new_tokens)
@@ -196,7 +197,8 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     target = checkpoint_target(config, dtype, device, target_path, options.adapter, device_map=options.device_map)
-    drafter = load_drafter(checkpoint, target).to(target.dtype)     # fp32 beside a CPU float16 (packed) target
+    drafter = load_drafter(checkpoint, target, options.require_checksum)
+    drafter = drafter.to(target.dtype)          # fp32 beside a CPU float16 (packed) target
     drafter = configure_proposal(drafter, target, options)
     description = drafter.describe_proposal()
     prompts = load_prompts(target, options.prompts, options.limit, options.max_new_tokens, options.long_prompts)

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from draftsmith.heads.drafter import read_config, read_weights, target_path
 from draftsmith.heads.files import as_disk_full, require_free_space, swap_directory
-from draftsmith.heads.outputs import EXPORT_MARK, checkpoint_around   # the mark --overwrite may replace
+from draftsmith.heads.outputs import EXPORT_MARK, checkpoint_around, holds   # the mark --overwrite may replace
 
 from .layouts import check_shapes, layout
 
@@ -140,12 +140,11 @@ PROTECTED = ("config.json", "model.safetensors", "recipe.yaml", "data", "checkpo
 
 def check_destination(checkpoint: Path, out_dir: Path, overwrite: bool) -> None:
     """An export never lands on (or around) the checkpoint, and --overwrite replaces only an earlier export."""
-    source, dest = checkpoint.resolve(), out_dir.resolve()
-    if dest == source or dest in source.parents:
+    dest = out_dir.resolve()
+    if holds(dest, checkpoint.resolve()):
         raise ExportError(f"cannot export into '{out_dir}': it is (or contains) the checkpoint '{checkpoint}'; "
                           "choose a new directory for the export")
-    around = checkpoint_around(dest)
-    if around is not None:
+    if (around := checkpoint_around(dest)) is not None:
         raise ExportError(f"cannot export into '{out_dir}': it is inside the checkpoint '{around}', and an export "
                           "never writes into a checkpoint; choose a directory outside it")
     if not out_dir.exists() or not any(out_dir.iterdir()):

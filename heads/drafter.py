@@ -215,8 +215,9 @@ def checkpoint_target(config: dict, dtype, device, path: str | None = None, adap
                        chat=config.get("target_chat"))
 
 
-def load_drafter(directory: Path, target: Target):
-    """Rebuild a drafter from its checkpoint against `target`; a different target is an error."""
+def load_drafter(directory: Path, target: Target, require_checksum: bool = False):
+    """Rebuild a drafter from its checkpoint against `target`; a different target is an error
+    (require_checksum: a checkpoint without a weights checksum too, read_weights)."""
     directory = Path(directory)
     config = read_config(directory)
     kinds = registry()
@@ -225,7 +226,7 @@ def load_drafter(directory: Path, target: Target):
     TargetIdentity.from_dict(config["target"]).require_same(target.identity, f"drafter '{directory}'")
     cls = kinds[config["kind"]]
     drafter = cls(config_from_dict(cls.config_class, config["drafter"], f"{directory}/{CONFIG_FILE}"), target)
-    state = read_weights(directory, config)
+    state = read_weights(directory, config, require_checksum)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise TargetError(f"checkpoint '{directory}' does not fit a {config['kind']} drafter with its config: "

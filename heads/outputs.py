@@ -57,17 +57,20 @@ def checkpoint_around(path: str | Path) -> Path | None:
     return None
 
 
-def guard_output(destination: str | Path, verb: str, makes: str | tuple[str, ...], sources=(),
-                 overwrite: bool = False, flag: str = "--overwrite", foreign_ok: bool = False) -> None:
+def holds(destination: Path, source: Path) -> bool:
+    """`destination` is `source`, or a directory above it (both resolved)."""
+    return destination == source or destination in source.parents
+
+
+def guard_output(destination: str | Path, verb: str, makes: str, sources=(), overwrite: bool = False,
+                 foreign_ok: bool = False) -> None:
     """Refuse `destination` for `verb` (which writes kind `makes`) unless it is new, empty, or (with
     `overwrite`) an earlier output of the same kind; `sources` are the paths the verb reads.
     foreign_ok: a directory of files no verb made is acceptable (the verb adds its own beside them)."""
     destination = Path(destination)
     resolved = destination.expanduser().resolve()
-    makes = (makes,) if isinstance(makes, str) else tuple(makes)
-    for source in sources:
-        source = Path(source).expanduser().resolve()
-        if resolved == source or resolved in source.parents:
+    for source in (Path(s).expanduser().resolve() for s in sources):
+        if holds(resolved, source):
             raise OutputError(f"{verb} cannot write to '{destination}': it is (or holds) its own source '{source}'; "
                               "choose a new directory")
     around = checkpoint_around(resolved)
@@ -77,11 +80,11 @@ def guard_output(destination: str | Path, verb: str, makes: str | tuple[str, ...
     found = kind_of(resolved)
     if found is None or (found == "other" and foreign_ok and resolved.is_dir()):
         return
-    if found not in makes:
+    if found != makes:
         raise OutputError(f"{verb} cannot write to '{destination}': it already holds "
                           + (f"a {found}" if found != "other" else "other files")
                           + f" that {verb} did not make; choose a new or empty "
                           + ("file" if resolved.is_file() else "directory"))
     if not overwrite:
-        raise OutputError(f"'{destination}' holds an earlier {found}; pass {flag} to replace it, or choose a new "
-                          "directory")
+        raise OutputError(f"'{destination}' holds an earlier {found}; pass --overwrite to replace it, or choose a "
+                          "new directory")

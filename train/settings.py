@@ -17,6 +17,7 @@ from draftsmith.data.distill import DataSettings
 from draftsmith.heads.decode_settings import EvalSettings
 from draftsmith.heads import strict_yaml
 from draftsmith.heads.config import ConfigError, coerce, config_from_dict
+from draftsmith.heads.prompt_format import TEMPLATE_SYNTAX
 from draftsmith.heads.drafter import registry
 
 
@@ -263,7 +264,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise RecipeError(f"override '{item}': '{part}' is not a section")
-        if "{{" in value or "{%" in value:        # inline Jinja (target.chat_template): the text as given
+        if any(mark in value for mark in TEMPLATE_SYNTAX):    # inline Jinja (target.chat_template): as given
             node[parts[-1]] = value
             continue
         try:
