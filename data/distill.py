@@ -28,122 +28,25 @@ import json
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from draftsmith.heads.files import swap_directory, write_atomic
-from draftsmith.heads.target import Target
+import datasets
+
+from draftsmith.heads.infra.files import swap_directory, write_atomic
+from draftsmith.heads.runtime.target import Target
 
 from . import features as feature_cache
-from . import sources
+from . import sources, vllm_backend
 from .chat import tokenize_turns
-from .health import HealthWatch
-from .progress import Launch, Progress
+from .health import Health, HealthWatch, judge
+from .progress import Launch, Progress, launch_from_environment
 from .regenerate import Regenerator, ShardWork, regenerate_with_vllm
+from .settings import COLUMN_DEFAULTS, DataSettings, columns
+from .shards import read_shard, shard_parts, shard_paths
 from .space import JSONL_BYTES_PER_TOKEN, auto_rows, check_space
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DataSettings:
-    """How training data is made (the recipe's `data:` section)."""
-
-    source: str = "sharegpt"
-    """sharegpt, mt-bench, humaneval, a .jsonl/.json/.parquet/.arrow/.csv file, a datasets directory, or a
-    dataset id already in the local Hugging Face cache (e.g. HuggingFaceH4/ultrachat_200k)."""
-    split: str = "train"
-    """The split of a `datasets` source (a file through load_dataset, or a cached dataset id)."""
-    messages_field: str | None = None
-    """The column holding each chat's turns (OpenAI or ShareGPT style); null: messages or conversations."""
-    prompt_field: str | None = None
-    """Instead: the column holding one user prompt per record (the target writes the reply)."""
-    streaming: bool = False
-    """Read a `datasets` source as a stream (large corpora: nothing is converted to Arrow first)."""
-    backend: str = "transformers"
-    """Who regenerates: transformers (draftsmith's batched engine; keeps the features) or vllm (optional extra)."""
-    max_conversations: int | None = 2000
-    """Conversations taken from the source (after shuffling with the seed), rounded up to whole batches; null = all."""
-    mode: str = "regenerate"
-    """regenerate (the target rewrites replies), prefill (the target reads the source's replies, all
-    turns, and labels them with its own distribution) or mix (regenerate_share of the batches regenerated)."""
-    regenerate_share: float = 0.25
-    """mode=mix: the fraction of batches the target regenerates; the rest are prefilled."""
-    regenerate: bool | None = None
-    """Deprecated: true is mode=regenerate, false is mode=prefill."""
-    max_turns: int = 1
-    """Assistant turns regenerated per conversation; later turns are dropped."""
-    max_prompt_tokens: int = 384
-    """Longest rendered prompt (chat so far) given to the target."""
-    long_prompts: str = "skip"
-    """What to do with longer prompts: skip (counted) or truncate (the user turn is cut)."""
-    max_new_tokens: int = 256
-    """Longest regenerated assistant turn."""
-    temperature: float = 0.0
-    """0 = greedy regeneration; > 0 samples (seeded per batch)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass when temperature > 0."""
-    batch_size: int | str = 64
-    """Conversations generated together (the transformers backend's rows), and a shard's conversations;
-    auto: the rows that fit data.memory_gb (shards of 64), the choice logged."""
-    memory_gb: float | None = None
-    """batch_size=auto: the memory the generation may use for its cache and features (null: 80% of what is
-    free on the device when the run starts, the target already loaded)."""
-    shard_mb: float = 2048
-    """A shard's largest size on disk (features + JSONL): a larger shard is written as parts of it."""
-    vllm: dict = field(default_factory=dict)
-    """data.backend=vllm: the engine's gpu_memory_utilization (0.85), tensor_parallel_size (1),
-    data_parallel_size (null: the launch's processes, one engine each), max_num_seqs, kv_cache_gb (CPU),
-    chunk_shards (16: shards fed to the engine per call)."""
-    health: dict = field(default_factory=dict)
-    """Data-health limits overriding the shipped ones ({figure}_warn / {figure}_stop, e.g. loop_share_stop:
-    0.7; null: never), docs/metrics.md "Data health"."""
-    allow_degenerate: bool = False
-    """Keep data past the data-health stopping limits (a warning instead of an error)."""
-    max_minutes: float | None = None
-    """Stop generating after this many minutes (every finished conversation is kept; a rerun continues);
-    null = no cap."""
-    max_seq_len: int = 1024
-    """Training sequences are cut to this many tokens."""
-
-    def __post_init__(self):
-        if self.regenerate is not None:                     # the old switch, kept readable
-            self.mode, self.regenerate = ("regenerate" if self.regenerate else "prefill"), None
-        if self.mode not in ("regenerate", "prefill", "mix"):
-            raise ValueError(f"data.mode must be regenerate, prefill or mix, got '{self.mode}'")
-        if not 0 <= self.regenerate_share <= 1:
-            raise ValueError(f"data.regenerate_share must be in [0, 1], got {self.regenerate_share}")
-        if self.backend not in ("transformers", "vllm"):
-            raise ValueError(f"data.backend must be transformers or vllm, got '{self.backend}'")
-        if self.long_prompts not in ("skip", "truncate"):
-            raise ValueError(f"data.long_prompts must be 'skip' or 'truncate', got '{self.long_prompts}'")
-        if isinstance(self.batch_size, str) and self.batch_size != "auto":
-            raise ValueError(f"data.batch_size must be a whole number or auto, got '{self.batch_size}'")
-        if self.memory_gb is not None and not self.memory_gb > 0:
-            raise ValueError(f"data.memory_gb must be > 0, or null for 80% of the free memory; got {self.memory_gb}")
-        if not self.shard_mb > 0:
-            raise ValueError(f"data.shard_mb must be > 0 (megabytes per shard on disk), got {self.shard_mb}")
-        from .health import limits_from
-        from .vllm_backend import engine_settings
-
-        limits_from(self.health)
-        engine_settings(self.vllm)
-        for name in ("max_turns", "max_prompt_tokens", "max_new_tokens", "max_seq_len") + (
-                ("batch_size",) if isinstance(self.batch_size, int) else ()):
-            if getattr(self, name) < 1:
-                raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"data.top_p must be in (0, 1], got {self.top_p}")
-        if self.temperature < 0:
-            raise ValueError(f"data.temperature must be >= 0, got {self.temperature}")
-        if self.max_conversations is not None and self.max_conversations < 1:
-            raise ValueError(f"data.max_conversations must be >= 1, or null for the whole source; "
-                             f"got {self.max_conversations}")
-        if self.messages_field and self.prompt_field:
-            raise ValueError(f"data.messages_field ('{self.messages_field}') and data.prompt_field "
-                             f"('{self.prompt_field}') name two ways to read a chat: set one")
-        if self.max_minutes is not None and not self.max_minutes > 0:
-            raise ValueError(f"data.max_minutes must be > 0, or null for no cap; got {self.max_minutes}")
 
 
 @dataclass
@@ -163,14 +66,6 @@ class DataReport:
     def tokens_per_second(self) -> float:
         """Tokens the target produced or read per second of data making (generated + prefilled)."""
         return (self.generated_tokens + self.prefilled_tokens) / self.seconds if self.seconds else 0.0
-
-
-COLUMN_DEFAULTS = {"split": "train", "messages_field": None, "prompt_field": None, "streaming": False}
-
-
-def columns(settings: DataSettings) -> sources.Columns:
-    return sources.Columns(split=settings.split, messages_field=settings.messages_field,
-                           prompt_field=settings.prompt_field, streaming=settings.streaming)
 
 
 def fingerprint(settings: DataSettings, seed: int, target_identity: dict, chat: dict | None = None) -> str:
@@ -199,37 +94,11 @@ def fingerprint(settings: DataSettings, seed: int, target_identity: dict, chat: 
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def read_shard(path: Path) -> list[dict]:
-    """The records of one finished shard; a damaged file is an error that names it and the fix."""
-    records = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if line.strip():
-                    records.append(json.loads(line))
-                    if not {"input_ids", "loss_mask"} <= set(records[-1]):
-                        raise ValueError("a record without input_ids or loss_mask")
-    except (ValueError, UnicodeDecodeError) as err:
-        raise sources.DataError(f"damaged data shard {path} (line {number}: {err}): delete it and run the same "
-                                "command again; that shard is made again and the others are kept") from None
-    return records
-
-
 def batch_regenerates(settings: DataSettings, index: int) -> bool:
     """Whether batch `index` is regenerated (else prefilled): mix spreads its share evenly over the batches."""
     if settings.mode != "mix":
         return settings.mode == "regenerate"
     return int((index + 1) * settings.regenerate_share) > int(index * settings.regenerate_share)
-
-
-def shard_paths(data_dir: Path) -> list[Path]:
-    return sorted((Path(data_dir) / "shards").glob("shard-*.jsonl"))
-
-
-def shard_parts(out_dir: Path, index: int) -> list[Path]:
-    """Parts of shard `index` written at a time cap (`shard-00003.part0.jsonl`, ...): each holds finished
-    conversations of the shard; the shard itself, written later, holds the rest."""
-    return sorted((Path(out_dir) / "shards").glob(f"shard-{index:05d}.part*.jsonl"))
 
 
 def plan_batches(convs: list[sources.Conversation], batch_size: int, seed: int) -> list[list[sources.Conversation]]:
@@ -429,9 +298,6 @@ class _Run:
         """vLLM: chunks of data.vllm.chunk_shards shards, each turn of a chunk one engine call; the shards
         are written without features (the feature pass follows, once the engine is shut down).  A time cap
         is checked between chunks."""
-        from . import vllm_backend
-        from .progress import launch_from_environment
-
         if not todo:
             return
         chunk = vllm_backend.engine_settings(self.settings.vllm)["chunk_shards"]
@@ -494,10 +360,6 @@ def _check_manifest(out_dir: Path, settings: DataSettings, seed: int, target: Ta
 def finish(out_dir: Path, settings: DataSettings, stats, counts: dict, seconds: float, target: Target) -> DataReport:
     """Index every shard's records into `tokenized/` (cut to max_seq_len); measure their health, per shard
     and in total, into `health.json` (data/health.py), and stop past its limits."""
-    import datasets
-
-    from .health import Health, judge
-
     rows = {"id": [], "input_ids": [], "loss_mask": [], "shard": [], "row": []}
     total, per_shard = Health(), {}
     for shard in shard_paths(out_dir):

@@ -26,11 +26,17 @@ import hashlib
 import json
 import logging
 import math
+import time
+import uuid
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from draftsmith.heads.files import human_size, require_free_space, write_atomic
+from tqdm import tqdm
+
+from draftsmith.heads.infra.files import human_size, require_free_space, write_atomic
+
+from .shards import read_shard
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +119,6 @@ def write_shard(path: Path, per_record: list[torch.Tensor], layers, target_hash:
 
     Written as a safetensors file record by record (its header first, from the shapes and a first,
     hashing pass): the shard is never held twice in memory, as a concatenation would."""
-    import uuid
-
     pieces = [_as_bytes_view(f[:max_tokens] if max_tokens is not None else f) for f in per_record]
     if pieces and len({p.shape[1:] for p in pieces}) > 1:
         raise CacheError(f"feature shard {path}: records of different shapes {sorted({p.shape[1:] for p in pieces})}")
@@ -246,11 +250,7 @@ def build_missing(target, shards: list[Path], layers, out_dir: Path, progress: b
                   max_tokens: int | None = None, verify: str = "always") -> int:
     """Compute the cache files missing or broken for these JSONL data shards (checked as `verify` says:
     train.verify_cache); returns how many were built.  Under a launch, each process passes its own share."""
-    import time
 
-    from tqdm import tqdm
-
-    from .distill import read_shard
 
     todo = []
     start, checked = time.time(), 0

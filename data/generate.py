@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from draftsmith.heads.sampling import next_token
-from draftsmith.heads.target import Target
+
+from draftsmith.heads.decoding.sampling import next_token
+from draftsmith.heads.runtime.target import Target
 
 PREFILL_CHUNK = 256   # prompt tokens per prefill forward: bounds the attention scores' memory
 
@@ -35,7 +36,7 @@ def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int
     capture_layers = sorted(set(capture_layers))
     device = target.device
     batch = len(prompts)
-    prefilled = _prefill(target, prompts, max_new_tokens, capture_layers)
+    prefilled = prefill_prompts(target, prompts, max_new_tokens, capture_layers)
     cache, out, positions, prompt_features = (prefilled.cache, prefilled.last, prefilled.positions,
                                               prefilled.features)
     longest = positions.shape[1]
@@ -68,7 +69,7 @@ def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int
         out = target.forward_block(cache, tokens[:, None], next_pos[:, None], logits="last",
                                    layer_ids=capture_layers)
         if capture_layers:
-            step_features.append((rows.tolist(), _stack(out, capture_layers)[:, 0]))
+            step_features.append((rows.tolist(), stack_layers(out, capture_layers)[:, 0]))
         logits = out.logits[:, -1]
         next_pos = next_pos + 1
     results = [Generation(outputs[r], stopped[r]) for r in range(batch)]
@@ -85,7 +86,7 @@ class Prefilled:
     features: list                 # per chunk [b, chunk, layers, d] when capturing
 
 
-def _prefill(target: Target, prompts: list[list[int]], max_new_tokens: int, capture_layers) -> Prefilled:
+def prefill_prompts(target: Target, prompts: list[list[int]], max_new_tokens: int, capture_layers) -> Prefilled:
     """Left-pad the prompts into one batch and run them through the engine in chunks."""
     device = target.device
     batch, longest = len(prompts), max(len(p) for p in prompts)
@@ -104,11 +105,11 @@ def _prefill(target: Target, prompts: list[list[int]], max_new_tokens: int, capt
         out = target.forward_block(cache, ids[:, chunk], positions[:, chunk], valid=valid[:, chunk], logits="last",
                                    layer_ids=capture_layers)
         if capture_layers:
-            features.append(_stack(out, capture_layers))
+            features.append(stack_layers(out, capture_layers))
     return Prefilled(cache, out, positions, features)
 
 
-def _stack(out, layers) -> torch.Tensor:
+def stack_layers(out, layers) -> torch.Tensor:
     return torch.stack([out.hidden_states[i] for i in layers], dim=2).to(torch.bfloat16)   # [b, n, layers, d]
 
 

@@ -19,11 +19,15 @@ problems past the warning limits and past the stopping ones.  The same figures a
 """
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+
+from draftsmith.heads.infra.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -251,10 +255,7 @@ class HealthWatch:
 def judge(out_dir, settings, total: Health, per_shard: dict, tokenizer) -> dict:
     """Write `health.json` (the figures in total and per shard, the limits, the verdict); warn past the
     warning limits and raise DegenerateData past the stopping ones unless data.allow_degenerate."""
-    import json
-    from pathlib import Path
 
-    from draftsmith.heads.files import write_atomic
 
     limits = limits_from(settings.health)
     figures = total.figures(tokenizer)
@@ -279,9 +280,6 @@ def judge(out_dir, settings, total: Health, per_shard: dict, tokenizer) -> dict:
 def require_healthy(data_dir, settings) -> None:
     """Refuse to train on data whose health.json says it is past the stopping limits (data.allow_degenerate
     overrides); data made before health.json existed is not judged."""
-    import json
-    from pathlib import Path
-
     path = Path(data_dir) / "health.json"
     if settings.allow_degenerate or not path.is_file():
         return

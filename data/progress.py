@@ -16,10 +16,15 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
-from draftsmith.heads.files import write_atomic
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from draftsmith.heads.infra.files import DirectoryLock, StorageError, write_atomic
 
 
 @dataclass
@@ -50,8 +55,6 @@ class Progress:
 
     def __init__(self, out_dir: Path, total: int, done_before: int, launch: Launch, deadline: float | None,
                  enabled: bool, desc: str):
-        from tqdm import tqdm
-
         self.dir = Path(out_dir) / "progress"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.launch, self.deadline, self.start = launch, deadline, time.time()
@@ -134,17 +137,11 @@ def data_launch(out_dir: Path, timeout_minutes: float):
     """This process's `Launch`, holding output_dir's lock for the run: alone, the lock; under a launcher,
     a gloo process group (its barriers only: shards are files), the main rank holding the lock for all of
     them, so a second launch on the same directory is refused on every one of its ranks."""
-    from datetime import timedelta
-
-    from draftsmith.heads.files import DirectoryLock, StorageError
-
     rank, world, _ = launch_from_environment()
     if world == 1:
         with DirectoryLock(out_dir, "data run"):
             yield Launch()
         return
-    import torch
-    import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=timedelta(minutes=timeout_minutes))
     lock, refusal = DirectoryLock(out_dir, "data run"), None

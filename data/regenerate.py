@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from draftsmith.heads.target import Target
+from draftsmith.heads.runtime.target import Target
 
 from . import sources
 from .chat import tokenize_chat

@@ -13,7 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftsmith.heads.assets import looks_like_hub_id, package_file
+import datasets
+
+from draftsmith.heads.runtime.assets import looks_like_hub_id, package_file
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +39,6 @@ class Conversation:
     id: str
     messages: list[dict]          # [{"role": ..., "content": ...}]
     category: str = ""
-
-    def user_turns(self) -> int:
-        return sum(m["role"] == "user" for m in self.messages)
 
 
 @dataclass
@@ -232,8 +231,6 @@ def jsonl(path: str | Path, limit: int | None = None, stats: SourceStats | None 
 
 def from_disk(path: str | Path, limit: int | None = None, stats: SourceStats | None = None) -> Iterator[Conversation]:
     """A `datasets` dataset saved with save_to_disk, with a 'messages' or 'conversations' column."""
-    import datasets
-
     stats = stats if stats is not None else SourceStats()
     ds = datasets.load_from_disk(str(path))
     column = "messages" if "messages" in ds.column_names else "conversations"
@@ -293,8 +290,6 @@ def from_datasets(source: str, columns: Columns, limit: int | None = None,
                   stats: SourceStats | None = None) -> Iterator[Conversation]:
     """Chats through `datasets.load_dataset`: a Parquet, Arrow, CSV or JSON(L) file, or a dataset id
     that is already in the local cache (nothing is downloaded at run time)."""
-    import datasets
-
     stats = stats if stats is not None else SourceStats()
     path = Path(source)
     kind = DATASET_FILES.get(path.suffix) or ("json" if path.suffix in (".json", ".jsonl", ".gz") else None)

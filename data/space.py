@@ -2,21 +2,22 @@
 source's own conversations (never the per-conversation maximum, which asks for terabytes at 8B)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import logging
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.heads.files import free_bytes, human_size, require_free_space
-from draftsmith.heads.target import Target
+import torch
+
+from draftsmith.heads.infra.files import free_bytes, human_size, require_free_space
+from draftsmith.heads.runtime.target import Target
 
 from . import features as feature_cache
 from .chat import tokenize_chat
-
-if TYPE_CHECKING:
-    from .distill import DataSettings
+from .generate import PREFILL_CHUNK
+from .settings import DataSettings
+from .shards import read_shard, shard_paths
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,6 @@ def estimate_lengths(target: Target, settings: DataSettings, out_dir: Path, batc
     """Measured, never the per-conversation maximum: the shards made so far (up to 16 of them), else a
     probe of the source's own conversations as they will be cut, the source's replies standing in for
     the target's (times a margin, capped at what a reply may be)."""
-    from .distill import read_shard, shard_paths
 
     made = shard_paths(out_dir)[:16]
     if made:
@@ -119,10 +119,6 @@ def auto_rows(target: Target, settings: "DataSettings", capture_layers, free: in
     free now), each row counted at its largest (max_prompt_tokens + max_new_tokens): its KV cache twice (a
     refill builds the repacked cache beside the old one), its features twice (held until the shard is
     written), its logits and one prefill chunk's attention scores.  The choice is logged."""
-    import torch
-
-    from .generate import PREFILL_CHUNK
-
     config = getattr(target, "config", None)
     heads = int(getattr(config, "num_attention_heads", 1))
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -150,8 +146,6 @@ MAX_AUTO_ROWS = 512
 
 def available_memory(device) -> int:
     """Bytes free now: on a GPU what the CUDA driver reports, on a CPU MemAvailable."""
-    import torch
-
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
@@ -161,6 +155,5 @@ def available_memory(device) -> int:
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

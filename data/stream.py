@@ -16,11 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from draftsmith.heads.engine import EngineCache
-from draftsmith.heads.sampling import next_token
-from draftsmith.heads.target import Target
 
-from .generate import Generation, _prefill, _stack
+from draftsmith.heads.decoding.sampling import next_token
+from draftsmith.heads.runtime.engine import EngineCache
+from draftsmith.heads.runtime.target import Target
+
+from .generate import Generation, prefill_prompts, stack_layers
 
 
 @dataclass
@@ -130,7 +131,7 @@ class Stream:
         keep = [i for i, job in enumerate(self.live) if not self._done(job)]
         room = self.rows - len(keep)
         new_jobs, self.queue = self.queue[:room], self.queue[room:]
-        prefilled = _prefill(self.target, [job.prompt for job in new_jobs], self.max_new_tokens,
+        prefilled = prefill_prompts(self.target, [job.prompt for job in new_jobs], self.max_new_tokens,
                              self.capture_layers)
         if self.capture_layers:
             prompt_part = torch.cat(prefilled.features, dim=1)                         # [n, longest, L, d]
@@ -197,7 +198,7 @@ class Stream:
         out = self.target.forward_block(self.cache, self._pending[:, None], self.next_pos[:, None], logits="last",
                                         layer_ids=self.capture_layers)
         if self.capture_layers:
-            feats = _stack(out, self.capture_layers)[:, 0]                            # [rows, L, d]
+            feats = stack_layers(out, self.capture_layers)[:, 0]                            # [rows, L, d]
             for i, job in enumerate(self.live):
                 if not self._done(job):
                     job.step_features.append(feats[i])

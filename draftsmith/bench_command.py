@@ -1,4 +1,6 @@
-"""`draftsmith bench`: speculation on and off, per category of the user's traffic, with a verdict."""
+"""`draftsmith bench`: speculation on and off, per category of the user's traffic, with a verdict.
+
+Like cli.py, each verb imports what it runs inside its function (see cli.py)."""
 from __future__ import annotations
 
 import time
@@ -31,7 +33,7 @@ def cmd_bench(args) -> dict:
                              endpoint=args.endpoint, baseline_endpoint=args.baseline_endpoint, lookup=args.lookup,
                              against=args.against, long_prompts=args.long_prompts)
     out = Path(args.out)
-    from draftsmith.heads.outputs import guard_output
+    from draftsmith.heads.infra.outputs import guard_output
     if args.checkpoint != "ngram":
         guard_output(out, "bench", "bench report", sources=[args.checkpoint], overwrite=True, foreign_ok=True)
     started = time.time()

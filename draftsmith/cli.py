@@ -1,4 +1,9 @@
-"""The `draftsmith` command: data, train, eval, quickstart, export."""
+"""The `draftsmith` command: data, train, eval, quickstart, export (bench in bench_command.py; recipes,
+show, import and push in tools.py).
+
+Each verb imports the packages it runs inside its own function, the one exception to module-level
+imports: `draftsmith --help`, `draftsmith recipes` and a mistyped flag answer at once instead of after
+loading torch and transformers (about 5 s on 2 cores).  The packages themselves import at module level."""
 from __future__ import annotations
 
 import argparse
@@ -7,17 +12,18 @@ import logging
 import os
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 from .bench_command import Interrupted, add_bench_parser, cmd_bench
+from .recipe_files import resolve_recipe
+from .tools import add_tool_parsers, cmd_import, cmd_push, cmd_recipes, cmd_show
 
 log = logging.getLogger("draftsmith")
 
 QUICKSTART_RECIPE = "quickstart-smollm2-135m"
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import datasets
     import transformers
@@ -28,27 +34,15 @@ def _quiet_libraries() -> None:
     datasets.utils.logging.set_verbosity_error()
 
 
-def resolve_recipe(name: str) -> Path:
-    """A recipe path, or the name of a recipe shipped with draftsmith (e.g. medusa-smollm2-135m)."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    shipped = resources.files("draftsmith.recipes").joinpath(f"{name.removesuffix('.yaml')}.yaml")
-    if shipped.is_file():
-        return Path(str(shipped))
-    available = sorted(p.name.removesuffix(".yaml") for p in resources.files("draftsmith.recipes").iterdir()
-                       if p.name.endswith(".yaml"))
-    raise ValueError(f"recipe '{name}' not found: give a YAML file or one of {available}")
-
-
 def cmd_data(args) -> dict:
     """The recipe's data step; under torchrun or accelerate launch, one process per device, each making its
     share of the shards (data/progress.py)."""
     import torch
+
     from draftsmith.data.progress import data_launch, launch_from_environment
-    from draftsmith.heads.device import resolve_device
-    from draftsmith.heads.files import require_writable
-    from draftsmith.heads.outputs import guard_output
+    from draftsmith.heads.infra.device import resolve_device
+    from draftsmith.heads.infra.files import require_writable
+    from draftsmith.heads.infra.outputs import guard_output
     from draftsmith.train.batches import make_recipe_data
     from draftsmith.train.settings import load_recipe
 
@@ -108,8 +102,8 @@ EVAL_KEYS = ("prompts", "limit", "max_new_tokens", "temperature", "top_p", "rule
 def eval_settings(args):
     """Flags and key=value overrides (`limit=5` or `eval.limit=5`) into one EvalSettings, checked as a recipe's
     eval section is: types coerced, ranges and names validated, before anything loads."""
-    from draftsmith.heads.decode_settings import EvalSettings
-    from draftsmith.heads.config import config_from_dict
+    from draftsmith.heads.decoding.settings import EvalSettings
+    from draftsmith.heads.infra.config import config_from_dict
     from draftsmith.train.settings import apply_overrides
 
     values = {key: getattr(args, key) for key in EVAL_KEYS if hasattr(args, key)}
@@ -126,8 +120,8 @@ def cmd_eval(args) -> dict:
     from draftsmith.eval.benchmark import evaluate
     from draftsmith.eval.report import markdown, write_json
     from draftsmith.heads.drafter import read_config
-    from draftsmith.heads.files import require_writable
-    from draftsmith.heads.outputs import guard_output
+    from draftsmith.heads.infra.files import require_writable
+    from draftsmith.heads.infra.outputs import guard_output
 
     settings = eval_settings(args)
     read_config(args.checkpoint)              # a damaged or missing checkpoint is named before anything loads
@@ -139,11 +133,11 @@ def cmd_eval(args) -> dict:
     if args.json:
         import json
 
-        from draftsmith.heads.files import keep_report
+        from draftsmith.heads.infra.files import keep_report
         keep_report(lambda where: write_json(report, where), Path(args.json), "the --json report",
                     lambda: json.dumps(report.to_dict(), indent=2), is_file=True)
         print(f"wrote {args.json}")
-    from draftsmith.export.card import record_eval
+    from draftsmith.heads.card import record_eval
     if settings.target is None and settings.adapter is None:     # the checkpoint's own target: its card says so
         try:
             record_eval(args.checkpoint, report)
@@ -154,8 +148,8 @@ def cmd_eval(args) -> dict:
 
 def cmd_quickstart(args) -> dict:
     """Data, training and evaluation on the embedded default target, each within its budget."""
-    from draftsmith.heads.files import DirectoryLock, require_writable
-    from draftsmith.heads.outputs import guard_output
+    from draftsmith.heads.infra.files import DirectoryLock, require_writable
+    from draftsmith.heads.infra.outputs import guard_output
     from draftsmith.train.settings import load_recipe
 
     start = time.time()
@@ -171,7 +165,7 @@ def _quickstart(recipe, start: float) -> dict:
 
     from draftsmith.eval.benchmark import evaluate
     from draftsmith.eval.report import markdown, write_json
-    from draftsmith.heads.device import resolve_device
+    from draftsmith.heads.infra.device import resolve_device
     from draftsmith.train.batches import make_recipe_data
     from draftsmith.train.checkpointing import set_aside
     from draftsmith.train.loop import fit
@@ -194,7 +188,7 @@ def _quickstart(recipe, start: float) -> dict:
     options = dataclasses.replace(recipe.eval, target=recipe.eval.target or recipe.target.path, device=str(device))
     report = evaluate(trained.checkpoint, options)
     write_json(report, recipe.out / "eval.json")
-    from draftsmith.export.card import record_eval
+    from draftsmith.heads.card import record_eval
     record_eval(trained.checkpoint, report)             # the checkpoint's model card carries it too
     print()
     print(markdown(report))
@@ -280,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a checkpoint in a serving stack's format")
     p.add_argument("checkpoint")
-    p.add_argument("--to", required=True, help="vllm, sglang, medusa-original, trtllm, speculators")
+    p.add_argument("--to", required=True, help="a format the checkpoint's drafter declares (docs/formats.md)")
     p.add_argument("out_dir")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--overwrite", action="store_true")
@@ -292,7 +286,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-from .tools import add_tool_parsers, cmd_import, cmd_push, cmd_recipes, cmd_show  # noqa: E402 - they use resolve_recipe
 
 VERBS = {"data": cmd_data, "train": cmd_train, "eval": cmd_eval, "bench": cmd_bench, "quickstart": cmd_quickstart,
          "export": cmd_export, "recipes": cmd_recipes, "show": cmd_show, "push": cmd_push,
@@ -303,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    _quiet_libraries()
+    quiet_libraries()
     try:
         VERBS[args.verb](args)
     except Interrupted as stop:
@@ -330,7 +323,7 @@ def _close_progress_bars() -> None:
 
 def describe(err: BaseException) -> str:
     """One line for an error: draftsmith's own errors say what to do; anything else is named as a bug."""
-    from draftsmith.heads.files import describe_os_error
+    from draftsmith.heads.infra.files import describe_os_error
 
     if isinstance(err, OSError) and not isinstance(err, FileNotFoundError):
         return describe_os_error(err)

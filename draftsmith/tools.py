@@ -1,10 +1,12 @@
-"""The verbs around a run: list and show recipes, import exports, push checkpoints to the Hub."""
+"""The verbs around a run: list and show recipes, import exports, push checkpoints to the Hub.
+
+Like cli.py, each verb imports what it runs inside its function (see cli.py)."""
 from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
 
-from .cli import resolve_recipe
+from .recipe_files import resolve_recipe
 
 
 def add_tool_parsers(sub) -> None:
@@ -13,8 +15,8 @@ def add_tool_parsers(sub) -> None:
     p = sub.add_parser("import", help="read a drafter exported for a serving stack back into a draftsmith checkpoint")
     p.add_argument("source", help="the export's directory")
     p.add_argument("--from", dest="fmt", required=True,
-                   choices=["vllm", "speculators", "sglang", "trtllm", "medusa-original", "eagle"],
-                   help="the layout it is in (eagle: the EAGLE repository's own EAGLE-3 layout; give --target)")
+                   help="the layout it is in: a format its drafter declares (docs/formats.md; eagle: the EAGLE "
+                        "repository's own EAGLE-3 layout, give --target)")
     p.add_argument("out_dir")
     p.add_argument("--target", default=None, help="the target it drafts for (default: the one the export names)")
     p.add_argument("--device", default="auto")
@@ -60,8 +62,9 @@ def cmd_recipes(args) -> dict:
 def cmd_show(args) -> dict:
     """The recipe as a run would read it (overrides applied, defaults filled in), each field with its help."""
     import yaml
-    from draftsmith.heads.config import field_help
-    from draftsmith.heads.drafter import registry
+
+    from draftsmith.heads.infra.config import field_help
+    from draftsmith.heads.registry import registry
     from draftsmith.train.settings import SECTIONS, Recipe, load_recipe
 
     recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
@@ -89,10 +92,10 @@ def cmd_show(args) -> dict:
 def cmd_import(args) -> dict:
     """A drafter written for a serving stack, read back as a draftsmith checkpoint (warm starts)."""
     from draftsmith.export.importers import ImportError_, check_format, import_checkpoint, read_export_config
-    from draftsmith.heads.device import resolve_device
-    from draftsmith.heads.files import require_writable
-    from draftsmith.heads.outputs import guard_output
-    from draftsmith.heads.target import Target
+    from draftsmith.heads.infra.device import resolve_device
+    from draftsmith.heads.infra.files import require_writable
+    from draftsmith.heads.infra.outputs import guard_output
+    from draftsmith.heads.runtime.target import Target
 
     source = Path(args.source)
     named = read_export_config(source)
@@ -117,9 +120,10 @@ def cmd_push(args) -> dict:
     state) to the Hub.  The token is checked before anything is staged; the checkpoint is never changed."""
     import tempfile
 
-    from draftsmith.export.card import push_folder
-    from draftsmith.heads.drafter import read_config
     from huggingface_hub import HfApi, get_token
+
+    from draftsmith.export.hub import push_folder
+    from draftsmith.heads.drafter import read_config
 
     read_config(Path(args.checkpoint))                      # not a checkpoint: named before anything else
     if not get_token():

@@ -20,40 +20,32 @@ import dataclasses
 import logging
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from draftsmith.heads import metrics
+from draftsmith.data.health import of_outputs
+from draftsmith.heads.decoding import metrics
+from draftsmith.heads.decoding.settings import EvalSettings
+from draftsmith.heads.decoding.verifier import decode
+from draftsmith.heads.drafter import checkpoint_target, load_drafter, read_config
+from draftsmith.heads.drafter import target_path as checkpoint_target_path
+from draftsmith.heads.infra.device import resolve_device
+from draftsmith.heads.infra.files import keep_report, require_writable
+from draftsmith.heads.runtime.target import resolve_dtype
+
+from .bench_endpoint import run_endpoint
+from .bench_report import markdown, write_reports
+from .bench_settings import NGRAM, BenchError, BenchSettings, Run
+from .bench_vllm import run_vllm
+from .proposal import configure_proposal
 from .traffic import Traffic, load_traffic
 
 log = logging.getLogger(__name__)
 
-NGRAM = "ngram"                  # in place of a checkpoint: vLLM's prompt-lookup speculation, nothing trained
-AGAINST = ("plain", NGRAM)        # what the drafter is timed against: no speculation, or vLLM's ngram
-ENGINES = ("draftsmith", "vllm", "endpoint")
 BOOTSTRAP_SAMPLES = 1000
 INTERVAL = (0.05, 0.95)          # the bootstrap interval's quantiles: a 90% interval
-
-
-class BenchError(ValueError):
-    """Bad bench settings or traffic."""
-
-
-@dataclass
-class Run:
-    """One request decoded once in one mode."""
-    request: str
-    category: str
-    temperature: float
-    repeat: int
-    mode: str                         # plain | speculative
-    seconds: float
-    first_token_seconds: float
-    tokens: list[int]
-    accepted: list[int] = field(default_factory=list)
-    concurrency: int = 1
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -136,72 +128,9 @@ def summarize_group(runs: list[Run], cost_per_hour: float | None, positions: int
     return out
 
 
-@dataclass
-class BenchSettings:
-    traffic: str = "mt-bench"
-    limit: int = 5
-    max_new_tokens: int = 128
-    temperatures: tuple[float, ...] = (0.0,)
-    repeats: int = 3
-    cost_per_hour: float | None = None
-    seed: int = 0
-    dtype: str = "auto"
-    device: str = "auto"
-    target: str | None = None
-    adapter: str | None = None                # LoRA adapter on the target (default: the checkpoint's; none: bare)
-    engine: str = "draftsmith"
-    concurrency: tuple[int, ...] = (1,)
-    vllm_python: str | None = None
-    num_speculative_tokens: int = 3
-    endpoint: str | None = None               # a running server with the drafter (engine "endpoint")
-    baseline_endpoint: str | None = None      # the same target served without it
-    lookup: int = 0                           # draftsmith engine: context-lookup tokens merged into each tree
-    against: str = "plain"                    # vllm engine: the baseline engine, plain or ngram (vLLM's prompt lookup)
-    long_prompts: str = "truncate"            # a request longer than the target's context: truncate or refuse
-
-    def __post_init__(self):
-        self.temperatures = tuple(float(t) for t in self.temperatures)
-        self.concurrency = tuple(int(c) for c in self.concurrency)
-        if self.engine not in ENGINES:
-            raise BenchError(f"--engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
-        if not self.concurrency or any(c < 1 for c in self.concurrency):
-            raise BenchError(f"--concurrency values must be >= 1 (requests in flight), got {list(self.concurrency)}")
-        if self.engine == "endpoint" and not (self.endpoint and self.baseline_endpoint):
-            raise BenchError("--endpoint (the server with the drafter) needs --baseline-endpoint (the same target "
-                             "served without it), and the other way round: a running server cannot switch "
-                             "speculation off")
-        if self.engine != "endpoint" and (self.endpoint or self.baseline_endpoint):
-            raise BenchError(f"--endpoint and --baseline-endpoint are measured by the endpoint engine, not "
-                             f"'{self.engine}': drop --engine")
-        if self.engine == "draftsmith" and self.concurrency != (1,):
-            raise BenchError("the draftsmith engine serves one request at a time: --concurrency above 1 needs "
-                             "--engine vllm")
-        if self.lookup < 0 or (self.lookup and self.engine != "draftsmith"):
-            raise BenchError(f"--lookup must be >= 0 and is draftsmith's own (its verifier merges the lookup into "
-                             f"the drafter's tree); got {self.lookup} with engine '{self.engine}'")
-        if self.num_speculative_tokens < 1:
-            raise BenchError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
-        if self.long_prompts not in ("truncate", "refuse"):
-            raise BenchError(f"--long-prompts must be truncate or refuse, got '{self.long_prompts}'")
-        if self.against not in AGAINST:
-            raise BenchError(f"--against must be one of {', '.join(AGAINST)}, got '{self.against}'")
-        if self.against != "plain" and self.engine != "vllm":
-            raise BenchError(f"--against {self.against} is vLLM's own speculation: it needs --engine vllm, not "
-                             f"'{self.engine}'")
-        for name in ("limit", "max_new_tokens", "repeats"):
-            if getattr(self, name) < 1:
-                raise BenchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if any(t < 0 for t in self.temperatures) or not self.temperatures:
-            raise BenchError(f"--temperature values must be >= 0 (0 is greedy), got {list(self.temperatures)}")
-        if self.cost_per_hour is not None and self.cost_per_hour <= 0:
-            raise BenchError(f"--cost-per-hour must be > 0 (the machine's price per hour), got {self.cost_per_hour}")
-
-
 def sweep(target, drafter, traffic: Traffic, settings: BenchSettings, progress=None) -> tuple[list[Run], bool]:
     """Every request, both modes, every temperature and repeat. Returns (runs, complete): Ctrl-C stops
     the sweep, keeping every request whose two modes both finished in the interrupted repeat."""
-    from draftsmith.heads.verifier import decode
-
     runs: list[Run] = []
     try:
         for repeat in range(settings.repeats):
@@ -279,11 +208,7 @@ def recommendation(results: list[dict]) -> str:
 
 def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_progress: bool = True) -> dict:
     """Load, sweep, summarise, write report.json / report.md / report.html (+ PNG plots) to out_dir."""
-    from draftsmith.heads.drafter import read_config
-    from draftsmith.heads.drafter import target_path as checkpoint_target_path
-    from draftsmith.heads.files import require_writable
 
-    from .bench_report import write_reports
 
     if str(checkpoint) == NGRAM:
         if settings.engine != "vllm" or not settings.target:
@@ -306,10 +231,8 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
                          "--engine draftsmith")
     progress = _progress_bar if show_progress else None      # made once the number of requests is known
     if settings.engine == "vllm":
-        from .bench_vllm import run_vllm
         measured = run_vllm(checkpoint, config, target_path, settings, out_dir, progress)
     elif settings.engine == "endpoint":
-        from .bench_endpoint import run_endpoint
         measured = run_endpoint(checkpoint, config, target_path, settings, out_dir, progress)
     else:
         measured = run_draftsmith(checkpoint, target_path, settings, progress)
@@ -321,7 +244,6 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
             rate = measured.get("batch_tokens_per_s", {}).get((level["temperature"], level["concurrency"], mode))
             if rate is not None and "all" in level["groups"]:
                 level["groups"]["all"][mode]["tokens_per_s_batch"] = rate
-    from draftsmith.data.health import of_outputs
     target_health = of_outputs([r.tokens for r in runs if r.mode == "plain" and r.repeat == 0 and r.concurrency ==
                                 settings.concurrency[0]], settings.max_new_tokens)
     report = {
@@ -341,8 +263,6 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
         "seconds": time.time() - started,
         "runs": [dataclasses.asdict(r) for r in runs],
     }
-    from draftsmith.heads.files import keep_report
-    from .bench_report import markdown
     keep_report(lambda where: write_reports(report, where), out_dir, "the bench report", lambda: markdown(report))
     if not measured["complete"]:
         raise KeyboardInterrupt
@@ -350,19 +270,12 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
 
 
 def _progress_bar(total: int):
-    from tqdm import tqdm
     return tqdm(total=total, desc="bench", unit="request")
 
 
 def run_draftsmith(checkpoint: str, target_path: str, settings: BenchSettings, progress=None) -> dict:
     """draftsmith's verifier at batch 1: load the target and drafter here, warm up, sweep."""
-    from draftsmith.heads.device import resolve_device
-    from draftsmith.heads.drafter import checkpoint_target, load_drafter, read_config
-    from draftsmith.heads.target import resolve_dtype
 
-    from .proposal import configure_proposal
-    from draftsmith.heads.decode_settings import EvalSettings
-    from draftsmith.heads.verifier import decode
 
     device = resolve_device(settings.device)
     target = checkpoint_target(read_config(checkpoint), resolve_dtype(settings.dtype, device), device, target_path,

@@ -22,8 +22,14 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .bench import BenchError, BenchSettings
+from transformers import AutoTokenizer
+
+from draftsmith.heads.runtime.assets import resolve_target_path
+
+from .bench_settings import BenchError, BenchSettings
+from .bench_vllm import sweep_levels
 from .traffic import load_traffic
+from .vllm_worker import counter_delta
 
 TIMEOUT_S = 600
 SPEC_METRIC = re.compile(r'^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$')
@@ -67,7 +73,6 @@ def check_target(config: dict, plain: dict, speculative: dict) -> str:
     if plain_root != spec_root:
         raise BenchError(f"the two servers serve different targets: --baseline-endpoint serves '{plain_root}', "
                          f"--endpoint serves '{spec_root}'; start both on the target the drafter was trained for")
-    from draftsmith.heads.assets import resolve_target_path
     try:
         directory = Path(resolve_target_path(spec_root)[0])
     except Exception:        # a hub name or a path on another machine: nothing here to read
@@ -163,12 +168,7 @@ def serve_level(base: str, model: str, requests: list[dict], concurrency: int, t
 def run_endpoint(checkpoint: str, config: dict, target_path: str, settings: BenchSettings, out_dir: Path,
                  progress=None) -> dict:
     """Check both servers, warm them, sweep. Returns what run_vllm returns."""
-    from transformers import AutoTokenizer
 
-    from draftsmith.heads.assets import resolve_target_path
-
-    from .bench_vllm import sweep_levels
-    from .vllm_worker import counter_delta
 
     bases = {"plain": base_url(settings.baseline_endpoint), "speculative": base_url(settings.endpoint)}
     models = {mode: served_model(base, f"--{'baseline-' if mode == 'plain' else ''}endpoint")

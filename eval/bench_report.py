@@ -7,7 +7,8 @@ import html
 import json
 from pathlib import Path
 
-from draftsmith.heads.files import write_atomic
+from draftsmith.data.health import eval_line
+from draftsmith.heads.infra.files import write_atomic
 
 PLOTS = ("speedup.png", "latency.png", "acceptance.png", "speedup-by-concurrency.png")
 COLUMNS = ["category", "requests", "speedup (interval)", "verdict", "TTFT p50 before → after",
@@ -65,7 +66,6 @@ def header_lines(report: dict) -> list[str]:
 def markdown(report: dict, plots: list[str] = ()) -> str:
     lines = [f"# draftsmith bench: {report['checkpoint']}", ""] + [f"- {line}" for line in header_lines(report)]
     if report.get("target_health"):
-        from draftsmith.data.health import eval_line
         lines += [f"- {eval_line(report['target_health'])}"]
     lines += ["", f"**Recommendation:** {report['recommendation']}", ""]
     for level in report["results"]:
@@ -103,9 +103,9 @@ def html_page(report: dict, images: dict[str, bytes]) -> str:
 def plot(report: dict, out_dir: Path) -> list[str]:
     """Speedup by category (with intervals), TTFT and total time before and after, acceptance per
     position, and speedup against concurrency when several load levels were measured."""
-    import matplotlib
+    import matplotlib  # heavy: only when a report draws its plots
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: only when a report draws its plots
 
     levels = [level for level in report["results"] if level["groups"]]
     if not levels:

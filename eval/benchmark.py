@@ -13,30 +13,32 @@ of the timed runs is reported beside it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-import dataclasses
 from dataclasses import asdict, dataclass, field
 
 import torch
-from draftsmith.data import health, sources
-from draftsmith.data.chat import fit_context, prompt_ids
-from draftsmith.heads.device import resolve_device, synchronize
+
+from draftsmith.data import health
+from draftsmith.heads.decoding import metrics
+from draftsmith.heads.decoding.settings import EvalSettings
+from draftsmith.heads.decoding.verifier import decode
 from draftsmith.heads.drafter import checkpoint_target, load_drafter, read_config
 from draftsmith.heads.drafter import target_path as checkpoint_target_path
-from draftsmith.heads.target import Target, resolve_dtype
+from draftsmith.heads.infra.device import resolve_device, synchronize
+from draftsmith.heads.registry import trained_class
+from draftsmith.heads.runtime.target import Target, resolve_dtype
 
-from draftsmith.heads import metrics
+from .drift import drift as target_drift
+from .prompts import load_prompts
 from .proposal import configure_proposal, step_costs
-from draftsmith.heads.decode_settings import EvalSettings
-from draftsmith.heads.verifier import decode
 
 log = logging.getLogger(__name__)
 
 PROMPT_LOOKUP_TOKENS = 10   # transformers' documented example value
 
 
-EvalOptions = EvalSettings     # the name the Python API has used
 
 
 @dataclass
@@ -98,27 +100,7 @@ class EvalReport:
         return asdict(self)
 
 
-def load_prompts(target: Target, source: str, limit: int, max_new_tokens: int = 0,
-                 long_prompts: str = "truncate") -> list[tuple[str, list[int]]]:
-    """(id, prompt ids) of the first `limit` prompts, each fitted to the target's context with room for
-    `max_new_tokens` (cut or refused: eval.long_prompts)."""
-    convs = sources.conversations(source, limit=limit)
-    out = []
-    for conv in convs:
-        messages = conv.messages
-        if messages[-1]["role"] == "assistant":      # a traffic sample with replies: ask the first question
-            messages = messages[: next(i for i, m in enumerate(messages) if m["role"] == "user") + 1]
-        out.append((conv.id, prompt_ids(target.tokenizer, messages)))
-    if not out:
-        raise ValueError(f"no prompts in '{source}'")
-    if target.context_length:
-        fitted = fit_context([(pid, ids, max_new_tokens) for pid, ids in out], target.context_length, long_prompts,
-                             "eval.long_prompts")
-        out = [(pid, ids) for (pid, _), ids in zip(out, fitted)]
-    return out
-
-
-def _time_generate(target: Target, prompt: list[int], max_new_tokens: int, lookup: bool) -> tuple[float, list[int]]:
+def time_generate(target: Target, prompt: list[int], max_new_tokens: int, lookup: bool) -> tuple[float, list[int]]:
     ids = torch.tensor([prompt], device=target.device)
     extra = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS} if lookup else {}
     synchronize(target.device)
@@ -144,7 +126,7 @@ def run_modes(target, drafter, prompt, options, generator_seed: int):
     if options.temperature <= 0:
         for mode, lookup in (("generate", False), ("prompt-lookup", True)):
             if mode in options.baselines:
-                seconds[mode], produced = _time_generate(target, prompt, options.max_new_tokens, lookup)
+                seconds[mode], produced = time_generate(target, prompt, options.max_new_tokens, lookup)
                 counts[mode] = _until_stop(produced, target.eos_token_ids)
     return Timed(seconds, first, counts, plain.tokens, spec.tokens, spec.accepted)
 
@@ -174,7 +156,7 @@ class ExactCheck:
     tau: float | None = None      # tau of the fp32 speculative runs over the checked prompts: plain decoding's own text
 
 
-def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOptions, count: int) -> ExactCheck:
+def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalSettings, count: int) -> ExactCheck:
     """fp32: speculative greedy equals plain greedy token for token, on the first `count` prompts."""
     target32 = checkpoint_target(read_config(checkpoint), "float32", resolve_device(options.device), target_path,
                                  options.adapter, device_map=options.device_map)
@@ -190,7 +172,7 @@ def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalOpt
     return ExactCheck(True, None, metrics.tau(accepted) if accepted else None)
 
 
-def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> EvalReport:
+def evaluate(checkpoint: str, options: EvalSettings, progress: bool = True) -> EvalReport:
     options = dataclasses.replace(options)        # the tuners and the time budget adjust a copy
     config = read_config(checkpoint)
     target_path = checkpoint_target_path(config, options.target)
@@ -242,14 +224,13 @@ def evaluate(checkpoint: str, options: EvalOptions, progress: bool = True) -> Ev
                                              target.tokenizer)
     if options.lookup:
         report.accepted_by_source = dict(drafter.accepted)
-    if "medusa2" in config and config.get("target_adapter"):         # trained the backbone: not the original's
-        from .drift import drift
+    if trained_class(config).trains_target_adapter and config.get("target_adapter"):   # not the original's
         original = checkpoint_target(config, dtype, device, options.target, adapter="none")
-        report.drift = drift(target, original, prompts[:max(exact_count, 1)], options.max_new_tokens)
+        report.drift = target_drift(target, original, prompts[:max(exact_count, 1)], options.max_new_tokens)
     return report
 
 
-def over_budget(options: EvalOptions, results: list, elapsed: float, dtype) -> bool:
+def over_budget(options: EvalSettings, results: list, elapsed: float, dtype) -> bool:
     """Whether one more prompt (at the mean measured so far) and the fp32 exactness check would overrun
     options.max_minutes: a noisy forward measurement must not stretch the run.  At least 3 prompts run."""
     if not options.max_minutes or len(results) < 3:
@@ -260,7 +241,7 @@ def over_budget(options: EvalOptions, results: list, elapsed: float, dtype) -> b
     return elapsed + per_prompt + exact > options.max_minutes * 60
 
 
-def fit_budget(prompts: list, options: EvalOptions, forward_seconds: float, dtype) -> tuple[list, str]:
+def fit_budget(prompts: list, options: EvalSettings, forward_seconds: float, dtype) -> tuple[list, str]:
     """Cut prompts (then tokens) so the timed runs fit options.max_minutes, from the measured forward cost.
 
     Estimated per prompt: max_new_tokens one-token forwards for plain decoding and for each transformers

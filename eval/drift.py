@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftsmith.heads.target import Target
-
-from draftsmith.heads.verifier import decode
+from draftsmith.heads.decoding.verifier import decode
+from draftsmith.heads.runtime.target import Target
 
 
 @torch.no_grad()

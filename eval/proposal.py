@@ -6,11 +6,16 @@ import logging
 import time
 
 import torch
-from draftsmith.heads.device import synchronize
-from draftsmith.heads.target import Target
 
-from draftsmith.heads.decode_settings import EvalSettings
-from draftsmith.heads.verifier import decode
+from draftsmith.heads.decoding.dynamic_tree import TreeSettings
+from draftsmith.heads.decoding.lookup import WithLookup
+from draftsmith.heads.decoding.settings import EvalSettings
+from draftsmith.heads.decoding.verifier import decode
+from draftsmith.heads.drafter import DraftContext
+from draftsmith.heads.infra.device import synchronize
+from draftsmith.heads.runtime.target import Target
+
+from .prompts import load_prompts
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +29,9 @@ def configure_proposal(drafter, target: Target, options: EvalSettings):
     elif drafter.static_tree:                     # static trees (Medusa)
         options.tree_size = options.tree_size or tune_tree_size(drafter, target, options.lookup)
         drafter.set_proposal(tree=drafter.default_tree(options.tree_size))
+    elif not drafter.dynamic_tree:                # neither kind of tree: a chain of the drafter's own length
+        drafter.set_proposal(chain=options.chain_length)
     elif options.tree_depth_topk_total:           # a dynamic tree tuned by an earlier call
-        from draftsmith.heads.dynamic_tree import TreeSettings
         drafter.set_proposal(tree=TreeSettings(*options.tree_depth_topk_total))
     elif options.tree_size is None and options.proposal == "default":   # dynamic trees: measured here
         drafter.set_proposal(tree=tune_dynamic_tree(drafter, target, options))
@@ -88,7 +94,6 @@ def with_lookup(drafter, options: EvalSettings):
     """The drafter, with the context lookup merged into its proposals when options.lookup asks for it."""
     if not options.lookup:
         return drafter
-    from draftsmith.heads.lookup import WithLookup
     return WithLookup(drafter, options.lookup, options.lookup_ngram)
 
 
@@ -100,10 +105,6 @@ def tune_dynamic_tree(drafter, target: Target, options: EvalSettings):
 
     The drafter's own default joins the candidates.  Costs a few seconds; the calibration
     prompt is MT-bench's first, decoded for 48 tokens per candidate."""
-    from draftsmith.heads.dynamic_tree import TreeSettings
-
-    from .benchmark import load_prompts
-
     prompt = load_prompts(target, options.prompts, 1)[0][1]    # not MT-bench's: its package may be absent
     default = drafter.config.tree
     candidates = DYNAMIC_TREES + [(default["depth"], default["top_k"], default["total_tokens"])]
@@ -130,8 +131,6 @@ def step_costs(target: Target, drafter, prompt: list[int]) -> dict:
 def measure_draft_step(target: Target, drafter, prompt: list[int], repeats: int = 7) -> float:
     """Median seconds of one drafter step in steady state: a proposal after one newly committed token,
     divided by the levels it drafts (an EAGLE level is one drafter forward; Medusa drafts all at once)."""
-    from draftsmith.heads.drafter import DraftContext
-
     repeats = max(1, min(repeats, len(prompt) - 2))
     ids = torch.tensor([prompt], device=target.device)
     cache = target.new_cache(1, len(prompt) + 1)

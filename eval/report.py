@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftsmith.heads.files import write_atomic
+from draftsmith.data.health import eval_line
+from draftsmith.heads.infra.files import write_atomic
 
 from .benchmark import EvalReport
 
@@ -41,7 +42,6 @@ def markdown(report: EvalReport) -> str:
         + (f" (first mismatch: {report.first_mismatch})" if report.first_mismatch else ""),
     ]
     if report.target_health:
-        from draftsmith.data.health import eval_line
         lines.append(f"- {eval_line(report.target_health)}")
     if report.exact_text_tau:
         lines.append(f"- tau on the {report.exact_checked_prompts} checked prompts: "

@@ -11,8 +11,8 @@ import collections
 import json
 import random
 from dataclasses import dataclass
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 from draftsmith.data import sources
 from draftsmith.data.chat import fit_context, prompt_ids

@@ -61,7 +61,7 @@ def engine_input(llm, prompt: list[int]):
 
 
 def run(llm, command: dict) -> dict:
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # optional: runs in the vLLM environment only
 
     engine = llm.llm_engine
     pending = list(enumerate(command["requests"]))
@@ -112,7 +112,7 @@ def main():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     options = engine_options()
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams  # optional: runs in the vLLM environment only
 
     speculative = None
     if args.method == "ngram":      # vLLM's prompt lookup: drafts copied from the context, nothing trained
@@ -124,7 +124,7 @@ def main():
               **options)
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(temperature=0.0, max_tokens=4),
                  use_tqdm=False)                                                     # warm-up
-    import vllm
+    import vllm  # optional: runs in the vLLM environment only
     print(MARK + json.dumps({"ready": True, "vllm": vllm.__version__}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)

@@ -1,13 +1,14 @@
-"""Checkpoints out to serving stacks and back: `export` (vLLM, speculators, SGLang, TensorRT-LLM,
-FasterDecoding Medusa), `import_drafter` / `import_checkpoint` (the same formats plus the EAGLE
-repository's), and the Hub conventions (`Drafter.from_pretrained`, model cards, `push_folder`).
-
-Tensor names are derived from each drafter's declared layout (export/layouts.py); docs/formats.md
-says what each format writes and why.
+"""Checkpoints out to serving stacks and back: `export` (each drafter's declared formats: vLLM,
+speculators, SGLang, TensorRT-LLM, FasterDecoding Medusa), `import_drafter` / `import_checkpoint`
+(the same formats plus the EAGLE repository's), and the Hub conventions (`Drafter.from_pretrained`,
+`push_folder`).  docs/formats.md says what each format writes and why.
 """
-from .card import Drafter, push_folder, record_eval, write_card
-from .core import FORMATS, SUPPORTED, ExportError, export
+from draftsmith.heads.card import record_eval, write_card
+from draftsmith.heads.formats import ExportError
+
+from .core import export
+from .hub import Drafter, push_folder
 from .importers import ImportError_, import_checkpoint, import_drafter
 
-__all__ = ["Drafter", "ExportError", "FORMATS", "ImportError_", "SUPPORTED", "export", "import_checkpoint",
-           "import_drafter", "push_folder", "record_eval", "write_card"]
+__all__ = ["Drafter", "ExportError", "ImportError_", "export", "import_checkpoint", "import_drafter", "push_folder",
+           "record_eval", "write_card"]

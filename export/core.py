@@ -1,12 +1,8 @@
 """`draftsmith export`: a checkpoint in the layout a serving stack loads.
 
-| format          | drafters        | layout                                                        |
-|-----------------|-----------------|---------------------------------------------------------------|
-| vllm            | medusa, eagle3  | vLLM `model_type: medusa` / `LlamaForCausalLMEagle3`          |
-| speculators     | eagle3          | vLLM's speculators config (`speculators_model_type: eagle3`)  |
-| sglang          | eagle3          | `LlamaForCausalLMEagle3` with SGLang's layer-id convention    |
-| trtllm          | eagle3          | the Hugging Face EAGLE-3 layout TensorRT-LLM / ModelOpt load  |
-| medusa-original | medusa          | FasterDecoding: medusa_lm_head.safetensors (TGI, TRT-LLM)     |
+Each drafter declares the formats it writes (`formats`, heads/formats.py: renaming rules, writer,
+serving command); this module checks the checkpoint, the destination and the disk, then writes
+what the drafter's writer returns.  docs/formats.md lists the formats per drafter.
 
 Layer ids: draftsmith's are `hidden_states[i]`, the INPUT of decoder layer i.
 vLLM reads the same convention; SGLang and TensorRT-LLM read "output of layer
@@ -23,18 +19,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.heads.drafter import read_config, read_weights, target_path
-from draftsmith.heads.files import as_disk_full, require_free_space, swap_directory
-from draftsmith.heads.outputs import EXPORT_MARK, checkpoint_around, holds   # the mark --overwrite may replace
-
-from .layouts import check_shapes, layout
-
-FORMATS = ("vllm", "speculators", "sglang", "trtllm", "medusa-original")
-SUPPORTED = {"medusa": ("vllm", "medusa-original"), "eagle3": ("vllm", "speculators", "sglang", "trtllm")}
+from draftsmith.heads.drafter import checkpoint_target, read_config, read_weights, target_path
+from draftsmith.heads.formats import ExportError, check_shapes, export_formats, formats_of, layout
+from draftsmith.heads.infra.device import resolve_device
+from draftsmith.heads.infra.files import as_disk_full, require_free_space, swap_directory
+from draftsmith.heads.infra.outputs import EXPORT_MARK, checkpoint_around, holds  # the mark --overwrite may replace
+from draftsmith.heads.runtime.target import TargetIdentity
 
 
-class ExportError(ValueError):
-    """A checkpoint that cannot be written in the asked format."""
+def writable_formats(kind: str) -> list[str]:
+    """The formats a checkpoint of `kind` exports to."""
+    return [name for name, f in formats_of(kind).items() if f.write is not None]
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -55,25 +50,24 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
     """Write `checkpoint` in format `fmt` to `out_dir` (and with_target: the target, adapter merged, in
     out_dir/target); returns out_dir."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    if fmt not in FORMATS:
-        raise ExportError(f"unknown export format '{fmt}'; choose one of {', '.join(FORMATS)}")
+    if fmt not in export_formats():
+        raise ExportError(f"unknown export format '{fmt}'; choose one of {', '.join(export_formats())}")
     config = read_config(checkpoint)
     kind = config["kind"]
-    if fmt not in SUPPORTED.get(kind, ()):
+    supported = writable_formats(kind)
+    if fmt not in supported:
         raise ExportError(f"a {kind} drafter cannot be exported as '{fmt}': the formats for {kind} are "
-                          f"{', '.join(SUPPORTED.get(kind, ())) or 'none yet'}")
-    conditioning = config["drafter"].get("conditioning", "none") if kind == "medusa" else "none"
-    if conditioning != "none":
-        raise ExportError(f"'{checkpoint}' has {conditioning}-conditioned Medusa heads (drafter.conditioning: "
-                          f"{conditioning}), which the '{fmt}' Medusa format cannot hold (its heads read the hidden "
-                          "state only); train with drafter.conditioning=none to export, or serve it with draftsmith")
+                          f"{', '.join(supported) or 'none yet'}")
+    writer = formats_of(kind)[fmt]
     weights = read_weights(checkpoint, config)
     check_weights(weights, config, str(checkpoint))
     check_destination(checkpoint, out_dir, overwrite)
-    needed = _needs_target(config, fmt) or target_path or with_target
+    needed = writer.needs_target(config) or target_path or with_target
     target = _target_for(config, target_path, dtype, device, layers=with_target) if needed else None
-    from . import writers
-    tensors, files = writers.WRITERS[(kind, fmt)](config, weights, target, _dtype(dtype), checkpoint)
+    try:
+        tensors, files = writer.write(config, weights, target, _dtype(dtype), checkpoint)
+    except ExportError as err:
+        raise ExportError(f"'{checkpoint}': {err}") from None
     if config.get("target_adapter") and "README.md" in files:
         files["README.md"] += adapter_note(config)
     tmp = out_dir.with_name(out_dir.name + ".tmp-export")
@@ -158,19 +152,10 @@ def check_destination(checkpoint: Path, out_dir: Path, overwrite: bool) -> None:
         raise ExportError(f"'{out_dir}' holds an earlier export; pass --overwrite to replace it")
 
 
-def _needs_target(config: dict, fmt: str) -> bool:
-    """Shared-head Medusa exports carry the target's lm_head; SGLang's EAGLE-3 carries its embedding."""
-    return (config["kind"] == "medusa" and config["drafter"]["lm_head"] == "shared") or fmt == "sglang"
-
-
 def _target_for(config: dict, target_path: str | None, dtype: str, device: str, layers: bool = False):
     """The target, for its identity and the matrices an export carries: in bf16 on the resolved device
     for a bf16 export (no precision lost), in fp32 for fp32/fp16 exports.  Only its embedding and
     lm_head are read, unless the export writes the whole target (layers=True)."""
-    from draftsmith.heads.device import resolve_device
-    from draftsmith.heads.drafter import checkpoint_target
-    from draftsmith.heads.target import TargetIdentity
-
     load_dtype = "bfloat16" if dtype == "bfloat16" else "float32"
     target = checkpoint_target(config, load_dtype, resolve_device(device), target_path, layers=layers)
     TargetIdentity.from_dict(config["target"]).require_same(target.identity, "the checkpoint")

@@ -2,9 +2,10 @@
 
 `DrafterContract` (a typing.Protocol) lists every member; `DrafterBase` (the nn.Module each drafter
 derives from) gives the optional ones their defaults, so callers call them instead of asking
-`hasattr` first.  A new drafter derives from `DrafterBase`, sets `kind` and `config_class`, and
-writes the members marked "must" below; tests/test_contract.py checks each registered drafter
-against this file.
+`hasattr` first.  A new drafter derives from `DrafterBase`, registers itself (`@register("kind")`,
+heads/registry.py), sets `title`, `config_class` and, to be exported, `formats` (heads/formats.py),
+and writes the members marked "must" below (docs/adding-a-drafter.md walks through it);
+tests/test_contract.py checks each registered drafter against this file.
 
 `Proposer` is the smaller contract the verifier needs (anything that drafts: a drafter, the
 context-lookup wrapper, a test's fixed proposer).
@@ -20,7 +21,7 @@ from torch import nn
 
 @runtime_checkable
 class Proposer(Protocol):
-    """What the verifier (heads/verifier.py) calls while decoding."""
+    """What the verifier (heads/decoding/verifier.py) calls while decoding."""
 
     @property
     def required_layers(self) -> tuple[int, ...]:
@@ -38,15 +39,18 @@ class Proposer(Protocol):
 
 @runtime_checkable
 class DrafterContract(Proposer, Protocol):
-    """Everything else train/, eval/ and export/ use.  Must: kind, config_class, config, target,
+    """Everything else train/, eval/ and export/ use.  Must: kind, title, config_class, config, target,
     target_identity, metadata, tree, draft_positions, parameter_layout, loss, loss_counts,
     set_draft_vocabulary, set_proposal; the rest has a default in DrafterBase."""
 
-    kind: ClassVar[str]
+    kind: ClassVar[str]                  # set by @register (heads/registry.py)
     config_class: ClassVar[type]
+    title: ClassVar[str]                 # what the model card calls it ("EAGLE-3 drafter")
+    formats: ClassVar[tuple]             # the serving formats it exports to and imports from (heads/formats.py)
     checkpoint_kind: str                 # the kind a checkpoint records (Medusa-2's heads load as Medusa)
     trains_target_adapter: bool          # True: a LoRA on the target trains with the drafter (Medusa-2)
     static_tree: bool                    # True: decodes with fixed tree shapes that default_tree builds (Medusa)
+    dynamic_tree: bool                   # True: decodes dynamic trees (EAGLE-2) from config.tree, tuned by eval
     data_is_target_greedy: bool          # set by the loop: every reply token is the target's greedy choice
     metadata: dict
     draft_positions: int                 # positions scored per training step (heads, unrolled steps)
@@ -94,16 +98,27 @@ class DrafterContract(Proposer, Protocol):
     def default_tree(self, size: int) -> Any:
         """A static tree of `size` nodes (static_tree drafters only)."""
 
+    def describe_proposal(self) -> str:
+        """The proposal shape set now, in words for reports ("chain of 3", "dynamic tree (...)")."""
+
 
 class DrafterBase(nn.Module):
     """The defaults of the contract's optional members."""
 
     kind: ClassVar[str]
     config_class: ClassVar[type]
+    formats: ClassVar[tuple] = ()                      # none: served by draftsmith's own engine only
+    checkpoint_marker: ClassVar[str | None] = None     # a config.json key that tells this class's checkpoints apart
+    checkpoint_files: ClassVar[tuple[str, ...]] = ()   # files it writes beside its weights (pushed with them)
     trains_target_adapter: ClassVar[bool] = False
     static_tree: ClassVar[bool] = False
+    dynamic_tree: ClassVar[bool] = False           # neither: it drafts a chain (set_proposal(chain=...))
     data_is_target_greedy = False
     gradient_checkpointing = False
+
+    def forward(self, batch: dict):
+        """What training calls through the wrapped module (DDP, FSDP, DeepSpeed): the loss."""
+        return self.loss(batch)
 
     def enable_gradient_checkpointing(self) -> bool:
         """Recompute activations in backward instead of keeping them (train.gradient_checkpointing);
@@ -140,6 +155,9 @@ class DrafterBase(nn.Module):
 
     def vocabulary_changed(self) -> None:
         return None
+
+    def describe_proposal(self) -> str:
+        return f"chain of {self.draft_positions}"
 
     def default_tree(self, size: int):
         raise NotImplementedError(f"a {self.kind} drafter has no static trees (static_tree is False)")

@@ -16,18 +16,20 @@ weights only), recipe.yaml, and state/ while training.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from .config import config_from_dict
-from .files import save_tensors_atomic, sha256_file, write_atomic
-from .target import Target, TargetError, TargetIdentity
+from draftsmith.heads.infra.config import config_from_dict
+from draftsmith.heads.infra.files import save_tensors_atomic, sha256_file, write_atomic
+from draftsmith.heads.infra.version import __version__
+from draftsmith.heads.registry import drafter_class
+from draftsmith.heads.runtime.target import Target, TargetError, TargetIdentity
 
 CONFIG_FILE = "config.json"
 RESERVED = ("kind", "draftsmith_version", "target", "target_source", "target_adapter", "target_chat",
@@ -84,16 +86,6 @@ class DraftContext:
     position: int
 
 
-def registry() -> dict:
-    """kind -> drafter class (imported here, not at the top, so each drafter file stays independent)."""
-    from .eagle import Eagle
-    from .eagle3 import Eagle3
-    from .medusa import Medusa
-    from .medusa2 import Medusa2
-
-    return {cls.kind: cls for cls in (Medusa, Medusa2, Eagle, Eagle3)}
-
-
 def describe(drafter) -> dict:
     """The part of a checkpoint's config.json that says what its tensors are: kind, drafter settings,
     target shape fields and architecture (what `parameter_layout` reads)."""
@@ -106,8 +98,6 @@ def save_drafter(drafter, directory: Path, extra: dict | None = None, state: dic
     """Write config.json and model.safetensors (the drafter's own weights only), atomically per file.
 
     `state`: the weights to write when they are not the module's own (gathered from FSDP / ZeRO-3 shards)."""
-    from draftsmith import __version__
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().clone() for k, v in (state or drafter.state_dict()).items()}   # owned, contiguous
@@ -220,11 +210,8 @@ def load_drafter(directory: Path, target: Target, require_checksum: bool = False
     (require_checksum: a checkpoint without a weights checksum too, read_weights)."""
     directory = Path(directory)
     config = read_config(directory)
-    kinds = registry()
-    if config.get("kind") not in kinds:
-        raise ValueError(f"checkpoint '{directory}' has drafter kind '{config.get('kind')}'; known: {sorted(kinds)}")
+    cls = drafter_class(config.get("kind"), f"checkpoint '{directory}'")
     TargetIdentity.from_dict(config["target"]).require_same(target.identity, f"drafter '{directory}'")
-    cls = kinds[config["kind"]]
     drafter = cls(config_from_dict(cls.config_class, config["drafter"], f"{directory}/{CONFIG_FILE}"), target)
     state = read_weights(directory, config, require_checksum)
     missing, unexpected = drafter.load_state_dict(state, strict=False)

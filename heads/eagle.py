@@ -8,25 +8,26 @@ by the target's frozen lm_head (restricted to a draft vocabulary if asked).
 Loss (EAGLE-1, section 4.2): SmoothL1(predicted f_{t+1}, f_{t+1}) +
 0.1 * CE(target distribution at t+1, drafter's), with U(-0.1, 0.1) noise on
 the input features during training.  EAGLE-2 is this drafter with a dynamic
-tree (heads/dynamic_tree.py).
+tree (heads/decoding/dynamic_tree.py).
 Shape notation: b batch, s sequence, H hidden, v (draft) vocabulary.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .contract import DrafterBase
-from .draft_vocab import add_draft_vocabulary, set_draft_map
-from .drafter import DraftContext, StepOutput, divide, term_denominators
-from .dynamic_tree import TreeSettings
-from .eagle_decoding import EagleDecoding
-from .eagle_layer import layer_layout, DraftLayer, Rotary, layer_shape_from_target
-from .soft_loss import soft_cross_entropy
-from .target import Target
+from draftsmith.heads.contract import DrafterBase
+from draftsmith.heads.decoding.dynamic_tree import TreeSettings
+from draftsmith.heads.draft_vocab import add_draft_vocabulary, set_draft_map
+from draftsmith.heads.drafter import DraftContext, StepOutput, divide, term_denominators
+from draftsmith.heads.eagle_decoding import EagleDecoding
+from draftsmith.heads.eagle_layer import DraftLayer, Rotary, layer_layout, layer_shape_from_target
+from draftsmith.heads.registry import register
+from draftsmith.heads.runtime.target import Target
+from draftsmith.heads.soft_loss import soft_cross_entropy
 
 
 @dataclass
@@ -51,8 +52,9 @@ class EagleConfig:
         TreeSettings(**self.tree)
 
 
+@register("eagle")
 class Eagle(EagleDecoding, DrafterBase):
-    kind = "eagle"
+    title = "EAGLE-1 feature drafter"
     config_class = EagleConfig
 
     def __init__(self, config: EagleConfig, target: Target):
@@ -79,8 +81,6 @@ class Eagle(EagleDecoding, DrafterBase):
 
     def architecture(self) -> dict:
         """The draft layer's shape, so that a checkpoint's layout is known without the target."""
-        from dataclasses import asdict
-
         return {**asdict(self.shape), "draft_vocab_size": int(self.draft_to_target.numel())}
 
     def enable_gradient_checkpointing(self) -> bool:

@@ -18,20 +18,25 @@ drafter hidden, T target hidden, v draft vocabulary, m scored positions.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .contract import DrafterBase
-from .draft_vocab import add_draft_vocabulary, set_draft_map
-from .drafter import DraftContext, StepOutput, divide, term_denominators
-from .dynamic_tree import TreeSettings
-from .eagle_decoding import EagleDecoding
-from .eagle_layer import layer_layout, DraftLayer, RMSNorm, Rotary, layer_shape_from_target
-from .soft_loss import soft_cross_entropy
-from .target import Target
+from draftsmith.heads.contract import DrafterBase
+from draftsmith.heads.decoding.dynamic_tree import TreeSettings
+from draftsmith.heads.draft_vocab import add_draft_vocabulary, set_draft_map
+from draftsmith.heads.drafter import DraftContext, StepOutput, divide, term_denominators
+from draftsmith.heads.eagle3_layout import (CARRIED, convention_ids, default_layer_ids, layout_tensors,
+                                            llama_eagle3_config, llama_fields, recognizes, target_architecture,
+                                            verifier_path)
+from draftsmith.heads.eagle_decoding import EagleDecoding
+from draftsmith.heads.eagle_layer import DraftLayer, RMSNorm, Rotary, layer_layout, layer_shape_from_target
+from draftsmith.heads.formats import ExportError, ExportFormat, ImportFormatError, fill, output_convention, readme
+from draftsmith.heads.registry import register
+from draftsmith.heads.runtime.target import Target
+from draftsmith.heads.soft_loss import soft_cross_entropy
 
 
 @dataclass
@@ -74,13 +79,9 @@ class Eagle3Config:
         TreeSettings(**self.tree)
 
 
-def default_layer_ids(num_layers: int) -> list[int]:
-    """(2, N//2, N-3) as vLLM and the paper use, clamped into range for very shallow targets."""
-    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
-
-
+@register("eagle3")
 class Eagle3(EagleDecoding, DrafterBase):
-    kind = "eagle3"
+    title = "EAGLE-3 drafter"
     config_class = Eagle3Config
 
     def __init__(self, config: Eagle3Config, target: Target):
@@ -128,8 +129,6 @@ class Eagle3(EagleDecoding, DrafterBase):
 
     def architecture(self) -> dict:
         """What an export needs to describe this drafter without the target at hand."""
-        from dataclasses import asdict
-
         eos = self.target.eos_token_ids
         return {**asdict(self.shape), "draft_vocab_size": int(self.draft_to_target.numel()),
                 "bos_token_id": getattr(self.target.config, "bos_token_id", None),
@@ -252,3 +251,142 @@ class Eagle3(EagleDecoding, DrafterBase):
         """[1, n, H] (fused features or drafted outputs), tokens [1, n] -> outputs [1, n, H]"""
         cos, sin = self.rotary(hidden, positions)
         return self.midlayer.cached(hidden, self.embed(tokens), cos, sin, cache)
+
+
+# -- serving formats (heads/formats.py), in the Llama-layer layout of heads/eagle3_layout.py -------------
+
+def _write_vllm(config, weights, target, dtype, checkpoint):
+    ids = config["target_layer_ids"][:3]
+    cfg = {**llama_eagle3_config(config, dtype, ids), "eagle_aux_hidden_state_layer_ids": ids}
+    command = _serve(config, "vllm")
+    notes = (f"Fused target layers {ids} (vLLM's convention: hidden_states[i], the input of decoder layer i, "
+             "the same as draftsmith's). The embedding is taken from the target.")
+    return ({"model.safetensors": layout_tensors(config, weights, dtype, "vllm")},
+            {"config.json": cfg, "README.md": readme(config, checkpoint, "EAGLE-3 drafter for vLLM", command, notes)})
+
+
+def _write_speculators(config, weights, target, dtype, checkpoint):
+    ids = config["target_layer_ids"][:3]
+    depth = config["drafter"]["tree"]["depth"]
+    layer = llama_fields(config, dtype)
+    cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.2.0",
+           "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": depth}],
+                                  "verifier": {"name_or_path": verifier_path(config),
+                                               "architectures": [target_architecture(config)]}},
+           "transformer_layer_config": layer, "draft_vocab_size": layer["draft_vocab_size"],
+           "target_hidden_size": layer["target_hidden_size"], "norm_before_residual": False,
+           "norm_before_fc": False, "eagle_aux_hidden_state_layer_ids": ids, "torch_dtype": layer["torch_dtype"]}
+    command = _serve(config, "speculators")
+    notes = ("`norm_before_residual: false` is written explicitly: vLLM assumes true for speculators configs that "
+             "omit it, which would silently change the drafter.")
+    return ({"model.safetensors": layout_tensors(config, weights, dtype, "speculators")},
+            {"config.json": cfg, "README.md": readme(config, checkpoint, "EAGLE-3 drafter (speculators format)",
+                                                       command, notes)})
+
+
+def _write_sglang(config, weights, target, dtype, checkpoint):
+    ids = output_convention(config["target_layer_ids"][:3], "SGLang")
+    cfg = llama_eagle3_config(config, dtype, ids)
+    command = _serve(config, "sglang")
+    notes = (f"Fused layers written as {ids}: SGLang names a fused layer by the decoder layer whose output it "
+             f"takes (draftsmith's hidden_states ids {config['target_layer_ids'][:3]} minus one). SGLang skips "
+             "unknown weight names silently; the names here are the ones it loads.")
+    embed = target.embed_tokens.weight.detach().float().cpu()
+    return ({"model.safetensors": layout_tensors(config, weights, dtype, "sglang", embed=embed)},
+            {"config.json": cfg, "README.md": readme(config, checkpoint, "EAGLE-3 drafter for SGLang", command, notes)})
+
+
+def _write_trtllm(config, weights, target, dtype, checkpoint):
+    ids = output_convention(config["target_layer_ids"][:3], "TensorRT-LLM")
+    cfg = llama_eagle3_config(config, dtype, ids)
+    command = _serve(config, "trtllm")
+    notes = (f"TensorRT-LLM's eagle3_layers_to_capture names decoder layers by their output: {ids} here "
+             f"(draftsmith's hidden_states ids {config['target_layer_ids'][:3]} minus one); pass them explicitly.")
+    return ({"model.safetensors": layout_tensors(config, weights, dtype, "trtllm")},
+            {"config.json": cfg, "README.md": readme(config, checkpoint, "EAGLE-3 drafter for TensorRT-LLM",
+                                                       command, notes)})
+
+
+def _serve(config: dict, fmt: str) -> str:
+    """The command that serves a checkpoint's export in `fmt` (THIS_DIR: the export, TARGET_DIR: the target)."""
+    tree = config["drafter"]["tree"]
+    if fmt == "vllm":
+        return (f"""vllm serve TARGET_DIR --speculative-config '{{"method": "eagle3", "model": "THIS_DIR", """
+                f""""num_speculative_tokens": {tree['depth']}}}'""")
+    if fmt == "speculators":
+        return "vllm serve THIS_DIR   # vLLM reads the verifier and the speculative settings from this config"
+    if fmt == "sglang":
+        return f"""python -m sglang.launch_server --model-path TARGET_DIR --speculative-algorithm EAGLE3 \\
+    --speculative-draft-model-path THIS_DIR --speculative-num-steps {tree['depth']} \\
+    --speculative-eagle-topk {tree['top_k']} --speculative-num-draft-tokens {tree['total_tokens']}"""
+    if fmt == "trtllm":
+        ids = output_convention(config["target_layer_ids"][:3], "TensorRT-LLM")
+        return f"""trtllm-serve TARGET_DIR --extra_llm_api_options spec.yaml
+# spec.yaml:
+# speculative_config:
+#   decoding_type: Eagle3
+#   speculative_model_dir: THIS_DIR
+#   max_draft_len: {tree['depth']}
+#   eagle3_layers_to_capture: {sorted(ids)}"""
+    raise ExportError(f"no serving command for an EAGLE-3 drafter in format '{fmt}'")
+
+
+def _read(config: dict, weights: dict, target: Target, fmt: str, confirmed: bool = False):
+    if fmt == "eagle" and "d2t" not in weights:
+        raise ImportFormatError("this is not an EAGLE-3 drafter (no d2t): draftsmith reads the EAGLE repository's "
+                                "EAGLE-3 layout; its EAGLE-1/2 drafters (fc with a bias, layers.0.*) have no import yet")
+    layer = config.get("transformer_layer_config", config)              # speculators nests the layer's fields
+    if config.get("norm_before_residual") is True:
+        raise ImportFormatError("this speculators drafter normalises before the residual (norm_before_residual: true), "
+                           "which draftsmith's EAGLE-3 layer does not do")
+    ids = (config.get("eagle_aux_hidden_state_layer_ids")
+           or config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"))
+    if not ids and fmt in ("vllm", "eagle"):      # vLLM then fuses its default layers, and the EAGLE code always
+        ids = default_layer_ids(target.num_layers)     # does: (2, N//2, N-3), the inputs of those decoder layers
+    if not ids or len(ids) != 3:
+        raise ImportFormatError("the export names no 3 fused target layers (eagle_aux_hidden_state_layer_ids)")
+    ids = convention_ids([int(i) for i in ids], fmt, target.num_layers, confirmed)
+    target.check_layer_ids(ids, "the export's fused layers (draftsmith's hidden_states ids)")
+    d2t = weights["d2t"].long()
+    draft = torch.arange(d2t.numel()) + d2t                              # target id = draft id + d2t[draft id]
+    if int(draft.max()) >= target.vocab_size or (draft.diff() <= 0).any():
+        raise ImportFormatError("d2t does not map the draft vocabulary to ascending ids inside the target's vocabulary")
+    if "t2d" in weights:
+        t2d = weights["t2d"].bool()
+        if t2d.numel() != target.vocab_size or int(t2d.sum()) != draft.numel() or not bool(t2d[draft].all()):
+            raise ImportFormatError("t2d and d2t disagree (t2d must mark exactly the target ids d2t maps to)")
+    if "embed_tokens.weight" in weights:          # the target's embedding, carried along: it must be this target's
+        own = target.embed_tokens.weight.detach().float().cpu()
+        carried = weights["embed_tokens.weight"]
+        if carried.shape != own.shape or not torch.allclose(carried, own, atol=1e-2, rtol=1e-2):
+            raise ImportFormatError("the export carries an embedding that is not this target's: import it against the "
+                               "target it was trained for (--target)")
+    drafter = Eagle3(Eagle3Config(layer_ids=ids, draft_vocab_size=draft.numel(),
+                                  intermediate_size=int(layer["intermediate_size"])), target)
+    fill(drafter, weights, fmt, draft, skip={"d2t", "t2d"} | CARRIED)
+    return drafter
+
+
+def _reads(fmt: str):
+    return lambda config, weights, target, confirmed=False: _read(config, weights, target, fmt, confirmed)
+
+
+def _carries_embedding(config: dict) -> bool:
+    return True
+
+
+Eagle3.formats = (
+    ExportFormat("vllm", _write_vllm, lambda c: _serve(c, "vllm"), read=_reads("vllm"), recognizes=recognizes,
+                 method="eagle3", describes="vLLM `LlamaForCausalLMEagle3`"),
+    ExportFormat("speculators", _write_speculators, lambda c: _serve(c, "speculators"), read=_reads("speculators"),
+                 rules=((r"^midlayer\.", "layers.0."),), recognizes=recognizes,
+                 describes="vLLM's speculators config (`speculators_model_type: eagle3`)"),
+    ExportFormat("sglang", _write_sglang, lambda c: _serve(c, "sglang"), read=_reads("sglang"), recognizes=recognizes,
+                 needs_target=_carries_embedding,
+                 describes="`LlamaForCausalLMEagle3` with SGLang's layer-id convention"),
+    ExportFormat("trtllm", _write_trtllm, lambda c: _serve(c, "trtllm"), read=_reads("trtllm"), recognizes=recognizes,
+                 describes="the Hugging Face EAGLE-3 layout TensorRT-LLM and Model Optimizer load"),
+    ExportFormat("eagle", None, None, read=_reads("eagle"), recognizes=recognizes,
+                 describes="the EAGLE repository's EAGLE-3 layout (read only)"),
+)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from .drafter import DraftContext
-from .dynamic_tree import TreeSettings, grow
-from .engine import EngineCache
+from draftsmith.heads.decoding.dynamic_tree import TreeSettings, grow
+from draftsmith.heads.drafter import DraftContext
+from draftsmith.heads.runtime.engine import EngineCache
 
 
 class EagleDecoding:
     cache: EngineCache | None = None
+    dynamic_tree = True           # decodes EAGLE-2's dynamic tree (config.tree), tuned by eval
 
     def set_proposal(self, chain: int | None = None, tree_size: int | None = None, tree: TreeSettings | None = None):
         """A chain of `chain` drafts, or the dynamic tree (total_tokens = tree_size if given)."""

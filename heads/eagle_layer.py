@@ -7,7 +7,7 @@ the residual is the un-normed h.  EAGLE-1 (arXiv 2401.15077): the layer reads
 the fc output directly, with no input norm.
 
 Two ways to attend:
-- `cached`: decoding, through an EngineCache (heads/engine.py) so a tree of
+- `cached`: decoding, through an EngineCache (heads/runtime/engine.py) so a tree of
   drafts sees the real context and its own ancestors only;
 - `ttt`: training-time test.  At unrolled step s, position i attends to the
   step-0 keys causally (j <= i) and, from every later step t = 1..s, only to
@@ -24,8 +24,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from .engine import EngineCache, cached_attention
+from draftsmith.heads.runtime.engine import EngineCache, cached_attention
 
 
 @dataclass
@@ -75,8 +78,6 @@ class Rotary(nn.Module):
 
     def __init__(self, shape: LayerShape):
         super().__init__()
-        from transformers import LlamaConfig
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         config = LlamaConfig(hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
                              num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim,
@@ -90,8 +91,6 @@ class Rotary(nn.Module):
 
 
 def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     return apply_rotary_pos_emb(q, k, cos, sin)
 
 
@@ -233,7 +232,6 @@ class DraftLayer(nn.Module):
         the same; train.gradient_checkpointing)."""
         flat = [t for kv in past for t in kv]
         if checkpointed and torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
             out, k, v = checkpoint(self._ttt_step, hidden, embeds, cos, sin, key_valid, *flat, use_reentrant=False)
         else:
             out, k, v = self._ttt_step(hidden, embeds, cos, sin, key_valid, *flat)

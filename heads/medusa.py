@@ -9,7 +9,7 @@ trainable copy of it per head ("own").  Every block is its own module (the
 upstream `[Block(H)] * n` shares one module n times).
 
 With `draft_vocab_size` the projection scores only the most frequent tokens
-of the training replies (see data/vocab.py; vLLM's `token_map`).  On a small
+of the training replies (see heads/draft_vocab.py; vLLM's `token_map`).  On a small
 target the projection is most of a head's cost, in training and decoding.
 
 Shape notation: b batch, s sequence, d hidden, v draft vocabulary, k heads,
@@ -17,18 +17,25 @@ m selected positions, r candidates per head.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .contract import DrafterBase
-from .draft_vocab import add_draft_vocabulary, set_draft_map
-from .drafter import DraftContext, StepOutput, divide, term_denominators
-from .soft_loss import hard_cross_entropy
-from .target import Target
-from .tree import DraftTree, TreeShape
+from draftsmith.heads.contract import DrafterBase
+from draftsmith.heads.decoding.tree import DraftTree, TreeShape
+from draftsmith.heads.draft_vocab import add_draft_vocabulary, set_draft_map
+from draftsmith.heads.drafter import DraftContext, StepOutput, divide, term_denominators
+from draftsmith.heads.formats import (ExportError, ExportFormat, ImportFormatError, cast, dtype_name, fill, readme,
+                                      renamed)
+from draftsmith.heads.registry import register
+from draftsmith.heads.runtime.cpu_linear import PackedLinear
+from draftsmith.heads.runtime.target import Target
+from draftsmith.heads.soft_loss import hard_cross_entropy
+
+log = logging.getLogger(__name__)
 
 
 CONDITIONING = ("none", "root", "path")
@@ -89,8 +96,9 @@ class ResidualBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
+@register("medusa")
 class Medusa(DrafterBase):
-    kind = "medusa"
+    title = "Medusa heads"
     static_tree = True            # decodes with fixed trees (default_tree), calibrated in training
     config_class = MedusaConfig
 
@@ -170,8 +178,7 @@ class Medusa(DrafterBase):
 
     def _decoding_head(self):
         """Beside a CPU target with packed fp16 weights, the shared projection packed the same way, for
-        decoding (k heads x 1 position is a small block: heads/cpu_linear.py); else None."""
-        from .cpu_linear import PackedLinear
+        decoding (k heads x 1 position is a small block: heads/runtime/cpu_linear.py); else None."""
         if (self.config.lm_head != "shared" or torch.is_grad_enabled()
                 or not isinstance(self.target.lm_head, PackedLinear)):
             return None
@@ -360,3 +367,131 @@ class Medusa(DrafterBase):
                 added = self.token_proj[depth](embed(tokens[nodes]).to(dtype))                  # [len(nodes), d]
                 inputs.update({n: inputs[int(shape.parents[n])] + added[i] for i, n in enumerate(nodes)})
         return DraftTree(tokens=tokens, parents=shape.parents)
+
+
+# -- serving formats (heads/formats.py): vLLM's Medusa and FasterDecoding's -----------------------
+# vLLM: `blocks.{h}.layers.{l}`, `lm_heads.{h}`, `token_map` with `truncated_vocab_size`, and
+# `original_lm_head` for one shared head.  FasterDecoding: medusa_lm_head.safetensors with
+# `{h}.{l}.linear.*` and each head's projection after its layers, `{h}.{L}.weight`.
+
+def _plain_heads(config: dict, fmt: str) -> None:
+    conditioning = config["drafter"].get("conditioning", "none")
+    if conditioning != "none":
+        raise ExportError(f"this checkpoint has {conditioning}-conditioned Medusa heads (drafter.conditioning: "
+                          f"{conditioning}), which the '{fmt}' Medusa format cannot hold (its heads read the hidden "
+                          "state only); train with drafter.conditioning=none to export, or serve it with draftsmith")
+
+
+def _write_vllm(config, weights, target, dtype, checkpoint):
+    _plain_heads(config, "vllm")
+    arch, info = config["drafter"], config["target"]
+    heads, layers, vocab = arch["num_heads"], arch["num_layers"], info["vocab_size"]
+    draft = weights["draft_to_target"]
+    truncated = draft.numel() < vocab
+    shared = arch["lm_head"] == "shared"
+    if truncated and not shared:
+        raise ExportError("vLLM's Medusa takes a reduced draft vocabulary only with one shared head "
+                          "(original_lm_head); this checkpoint has one trained head per position over "
+                          f"{draft.numel()} tokens. Retrain with drafter.lm_head: shared, or draft_vocab_size: null")
+    out = renamed(config, weights, "vllm")
+    if shared:
+        full = target.lm_head.weight.detach().float().cpu()
+        out["lm_heads.0.weight"] = full[draft] if truncated else full
+    if truncated:
+        out["token_map"] = draft.long()
+        log.warning("this Medusa export has a reduced draft vocabulary (token_map); vLLM 0.32 fails to load "
+                    "it ('weights not initialized: token_map'). For vLLM 0.32 train with drafter.draft_vocab_size: null")
+    cfg = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": info["hidden_size"],
+           "vocab_size": vocab, "num_heads": heads, "num_hidden_layers": layers, "medusa_fc_bias": True,
+           "truncated_vocab_size": int(draft.numel()), "original_lm_head": shared, "torch_dtype": dtype_name(dtype)}
+    text = readme(config, checkpoint, "Medusa heads for vLLM", _serve_vllm(config),
+                  "vLLM's Medusa drafts a chain of the heads' top-1 tokens (no tree).")
+    return {"model.safetensors": cast(out, dtype)}, {"config.json": cfg, "README.md": text}
+
+
+def _write_original(config, weights, target, dtype, checkpoint):
+    _plain_heads(config, "medusa-original")
+    arch, info = config["drafter"], config["target"]
+    heads, layers, vocab = arch["num_heads"], arch["num_layers"], info["vocab_size"]
+    if weights["draft_to_target"].numel() < vocab:
+        raise ExportError("the original Medusa format has full-vocabulary heads; this checkpoint scores a "
+                          f"{weights['draft_to_target'].numel()}-token draft vocabulary. Export to vllm instead, "
+                          "or retrain with drafter.draft_vocab_size: null")
+    if layers != 1:
+        raise ExportError(f"this Medusa drafter has {layers} residual layers per head; the original layout's "
+                          "readers (TGI, TensorRT-LLM's converter) load exactly one. Export to vllm, or retrain "
+                          "with drafter.num_layers: 1")
+    out = renamed(config, weights, "medusa-original")
+    if arch["lm_head"] == "shared":         # every head projects through the target's own lm_head
+        out |= {f"{h}.{layers}.weight": target.lm_head.weight.detach().float().cpu() for h in range(heads)}
+    cfg = {"medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": info["name"],
+           "hidden_size": info["hidden_size"], "vocab_size": vocab}
+    text = readme(config, checkpoint, "Medusa heads (FasterDecoding layout)", _serve_original(config))
+    return {"medusa_lm_head.safetensors": cast(out, dtype)}, {"config.json": cfg, "README.md": text}
+
+
+def _serve_vllm(config: dict) -> str:
+    return (f"""vllm serve TARGET_DIR --speculative-config '{{"method": "medusa", "model": "THIS_DIR", """
+            f""""num_speculative_tokens": {config['drafter']['num_heads']}}}'""")
+
+
+def _serve_original(config: dict) -> str:
+    return f"""# TGI
+text-generation-launcher --model-id THIS_DIR   # with base_model_name_or_path pointing at the target
+# TensorRT-LLM: convert_checkpoint.py --model_dir TARGET_DIR --medusa_model_dir THIS_DIR --num_medusa_heads \
+{config['drafter']['num_heads']}"""
+
+
+def _read_original(config: dict, weights: dict, target: Target, confirmed: bool = False):
+    heads, layers = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])
+    drafter = Medusa(MedusaConfig(num_heads=heads, num_layers=layers, lm_head="own"), target)
+    fill(drafter, weights, "medusa-original", torch.arange(target.vocab_size))
+    return drafter
+
+
+def _read_vllm(config: dict, weights: dict, target: Target, confirmed: bool = False):
+    heads, layers = int(config["num_heads"]), int(config["num_hidden_layers"])
+    shared = bool(config.get("original_lm_head"))
+    draft = weights.get("token_map", torch.arange(target.vocab_size)).long()
+    if draft.numel() != int(config.get("truncated_vocab_size") or draft.numel()):
+        raise ImportFormatError(f"token_map holds {draft.numel()} ids but truncated_vocab_size is "
+                                f"{config['truncated_vocab_size']}")
+    if int(draft.max()) >= target.vocab_size:
+        raise ImportFormatError(f"token_map names token {int(draft.max())}, beyond the target's vocabulary "
+                                f"({target.vocab_size})")
+    drafter = Medusa(MedusaConfig(num_heads=heads, num_layers=layers, lm_head="shared" if shared else "own",
+                                  draft_vocab_size=None if draft.numel() == target.vocab_size else draft.numel()), target)
+    if shared:                  # the one shared head is the target's own: it must be this target's
+        written = weights["lm_heads.0.weight"]
+        own = target.lm_head.weight.detach().float().cpu()[draft]
+        if written.shape != own.shape or not torch.allclose(written, own, atol=1e-2, rtol=1e-2):
+            raise ImportFormatError("the export's shared head is not this target's lm_head: import it against the "
+                                    "target it was made for (--target)")
+    fill(drafter, weights, "vllm", draft, skip={"token_map", "lm_heads.0.weight"} if shared else {"token_map"})
+    return drafter
+
+
+def _vllm_refuses(config: dict, version: str) -> str | None:
+    if config["drafter"].get("draft_vocab_size") and version.startswith("0.32"):
+        return (f"vLLM {version} cannot load a Medusa drafter with a reduced draft vocabulary ('weights not "
+                "initialized: token_map'); this checkpoint has one. Train it with drafter.draft_vocab_size: null "
+                "for vLLM, or bench it with --engine draftsmith")
+    return None
+
+
+def _shared_head(config: dict) -> bool:
+    return config["drafter"]["lm_head"] == "shared"       # the export carries the target's lm_head
+
+
+Medusa.formats = (
+    ExportFormat("vllm", _write_vllm, _serve_vllm,
+                 rules=((r"^blocks\.(\d+)\.(\d+)\.linear\.", r"blocks.\1.layers.\2."),),
+                 read=_read_vllm, recognizes=lambda c: c.get("model_type") == "medusa", needs_target=_shared_head,
+                 method="medusa", refuses=_vllm_refuses, describes="vLLM `model_type: medusa`"),
+    ExportFormat("medusa-original", _write_original, _serve_original,
+                 rules=((r"^blocks\.(\d+)\.(\d+)\.linear\.", r"\1.\2.linear."),
+                        (r"^lm_heads\.(\d+)\.weight$", r"\1.{num_layers}.weight")),
+                 read=_read_original, recognizes=lambda c: "medusa_num_heads" in c, needs_target=_shared_head,
+                 weights_file="medusa_lm_head.safetensors",
+                 describes="FasterDecoding: medusa_lm_head.safetensors (TGI, TensorRT-LLM's converter)"),
+)

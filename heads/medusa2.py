@@ -11,7 +11,7 @@ The checkpoint is an ordinary Medusa checkpoint (kind `medusa`: eval, bench and 
 one) whose target is base + the LoRA adapter it trained, saved beside the heads in peft's own format
 (`adapter/adapter_config.json`, `adapter/adapter_model.safetensors`, loadable by
 `peft.PeftModel.from_pretrained`).  The checkpoint names it (`target_adapter: adapter`), so every verb
-loads the adapted target (heads/adapter.py), and `draftsmith eval` reports the drift from the original.
+loads the adapted target (heads/runtime/adapter.py), and `draftsmith eval` reports the drift from the original.
 """
 from __future__ import annotations
 
@@ -23,12 +23,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from safetensors.torch import load_file
 from torch import nn
 
-from .drafter import StepOutput, divide, term_denominators
-from .files import write_atomic
-from .medusa import Medusa, MedusaConfig
-from .target import Target
+from draftsmith.heads.drafter import StepOutput, divide, term_denominators
+from draftsmith.heads.infra.files import write_atomic
+from draftsmith.heads.medusa import Medusa, MedusaConfig
+from draftsmith.heads.registry import register
+from draftsmith.heads.runtime.adapter import Adapter
+from draftsmith.heads.runtime.target import Target
 
 ADAPTER_DIR = "adapter"
 STATE_FILE = "medusa2.json"
@@ -67,9 +71,12 @@ class Medusa2Config(MedusaConfig):
         return MedusaConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
 
 
+@register("medusa2")
 class Medusa2(Medusa):
-    kind = "medusa2"
+    title = "Medusa-2 heads"
     checkpoint_kind = "medusa"
+    checkpoint_marker = "medusa2"         # config.json holds this key: the card says Medusa-2
+    checkpoint_files = (STATE_FILE,)      # kept beside the weights (and pushed with them)
     config_class = Medusa2Config
     trains_target_adapter = True
 
@@ -89,8 +96,6 @@ class Medusa2(Medusa):
     data_is_target_greedy = property(lambda self: False, lambda self, value: None)
 
     def _attach_lora(self, target: Target) -> nn.Module:
-        from peft import LoraConfig, get_peft_model
-
         if target.adapter is not None:
             raise ValueError("method medusa2 trains its own LoRA adapter on the target: leave target.adapter empty "
                              "(merge an existing adapter into the model and give that as target.path)")
@@ -125,17 +130,12 @@ class Medusa2(Medusa):
 
     def save_adapter(self, directory: Path) -> str:
         """Write the LoRA in peft's format into directory/adapter; returns the adapter's hash."""
-        from .adapter import Adapter
-
         self.backbone.save_pretrained(str(Path(directory) / ADAPTER_DIR), safe_serialization=True)
         write_atomic(Path(directory) / STATE_FILE, json.dumps({"micro_steps": self.micro_steps}))
         return Adapter.read(Path(directory) / ADAPTER_DIR).sha256
 
     def load_adapter(self, directory: Path) -> None:
         """Resume: the LoRA weights saved in directory/adapter."""
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
         weights = load_file(str(Path(directory) / ADAPTER_DIR / "adapter_model.safetensors"))
         set_peft_model_state_dict(self.backbone, weights)
         self.micro_steps = json.loads((Path(directory) / STATE_FILE).read_text())["micro_steps"]

@@ -12,12 +12,13 @@ import argparse
 import time
 
 import torch
+
 from draftsmith.data import sources
 from draftsmith.data.chat import prompt_ids
 from draftsmith.data.generate import generate_batch
 from draftsmith.data.stream import generate_stream
-from draftsmith.heads.device import resolve_device, synchronize
-from draftsmith.heads.target import Target
+from draftsmith.heads.infra.device import resolve_device, synchronize
+from draftsmith.heads.runtime.target import Target
 
 
 def main():

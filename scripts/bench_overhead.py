@@ -31,12 +31,13 @@ def main():
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")        # as the bench worker does
 
-    from draftsmith.data import sources
-    from draftsmith.data.chat import prompt_ids
-    from draftsmith.heads.assets import resolve_target_path
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm_worker import run
+
+    from draftsmith.data import sources
+    from draftsmith.data.chat import prompt_ids
+    from draftsmith.heads.runtime.assets import resolve_target_path
 
     target = str(resolve_target_path("smollm2-135m")[0])
     tokenizer = AutoTokenizer.from_pretrained(target)

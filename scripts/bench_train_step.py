@@ -15,8 +15,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from draftsmith.heads.eagle3 import Eagle3, Eagle3Config
-from draftsmith.heads.target import Target
+from draftsmith.heads.runtime.target import Target
 
 
 def plain_loss(drafter: Eagle3, batch: dict) -> torch.Tensor:

@@ -26,8 +26,9 @@ def main():
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    from draftsmith.heads.eagle_layer import DraftAttention, LayerShape, Rotary
     from test_eagle3 import _eager_ttt
+
+    from draftsmith.heads.eagle_layer import DraftAttention, LayerShape, Rotary
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -21,7 +21,8 @@ import shutil
 import time
 from pathlib import Path
 
-from draftsmith.cli import _quiet_libraries, resolve_recipe
+from draftsmith.cli import quiet_libraries
+from draftsmith.recipe_files import resolve_recipe
 
 
 def _recipe(args, mode: str, out: Path, extra: list[str]):
@@ -51,7 +52,7 @@ def grow_data(args, mode: str, minutes: float, state: dict) -> None:
 def train_and_eval(args, mode: str, budget: float, state: dict) -> dict:
     """Copy the mode's data as it stands, train on it for the rest of the budget, evaluate."""
     from draftsmith.eval.benchmark import evaluate
-    from draftsmith.heads.decode_settings import EvalSettings
+    from draftsmith.heads.decoding.settings import EvalSettings
     from draftsmith.train.loop import fit
 
     out = args.work / mode / f"B{budget:g}"
@@ -103,7 +104,7 @@ def main() -> None:
     parser.add_argument("--lookup", type=int, default=None, help="default: the recipe's eval.lookup")
     parser.add_argument("overrides", nargs="*", help="recipe key=value, applied to every point")
     args = parser.parse_args()
-    _quiet_libraries()
+    quiet_libraries()
     from draftsmith.train.settings import load_recipe
 
     base = load_recipe(resolve_recipe(args.recipe), args.overrides)

@@ -17,11 +17,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-from draftsmith.eval.benchmark import _time_generate
+
+from draftsmith.eval.benchmark import time_generate
 from draftsmith.eval.proposal import block_cost
-from draftsmith.heads.verifier import decode
-from draftsmith.heads.device import resolve_device, synchronize
-from draftsmith.heads.target import Target
+from draftsmith.heads.decoding.verifier import decode
+from draftsmith.heads.infra.device import resolve_device, synchronize
+from draftsmith.heads.runtime.target import Target
 
 
 def random_copy(source: Path) -> Path:
@@ -69,13 +70,13 @@ def main():
           f"{args.prompts} prompts of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens", flush=True)
     drafter = None
     if args.eagle3_tree:
-        from draftsmith.heads.dynamic_tree import TreeSettings
+        from draftsmith.heads.decoding.dynamic_tree import TreeSettings
         from draftsmith.heads.eagle3 import Eagle3, Eagle3Config
         drafter = Eagle3(Eagle3Config(draft_vocab_size=8192), target).to(target.device).eval()
         drafter.set_proposal(tree=TreeSettings(*args.eagle3_tree))
         decode(target, prompts[0], 8, drafter)
     decode(target, prompts[0], 8)                                        # warm-up
-    _time_generate(target, prompts[0], 8, lookup=False)
+    time_generate(target, prompts[0], 8, lookup=False)
     for r in range(args.rounds):
         prompts = new_prompts()
         forward = block_cost(target, [1])[1]
@@ -83,7 +84,7 @@ def main():
         for prompt in prompts:
             run = decode(target, prompt, args.max_new_tokens)
             plain_s, plain_n = plain_s + run.seconds, plain_n + len(run.tokens)
-            seconds, tokens = _time_generate(target, prompt, args.max_new_tokens, lookup=False)
+            seconds, tokens = time_generate(target, prompt, args.max_new_tokens, lookup=False)
             gen_s, gen_n = gen_s + seconds, gen_n + len(tokens)
         line = (f"round {r + 1}: one-token forward {forward * 1000:6.1f} ms | plain decode "
                 f"{plain_s / plain_n * 1000:6.1f} ms/token ({plain_n / plain_s:6.1f} tok/s) | generate "

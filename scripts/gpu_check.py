@@ -41,8 +41,9 @@ def record(family: str, device) -> None:
 
 def install_probes() -> None:
     """Wrap the few places every tensor family passes through, to record its device."""
-    from draftsmith.heads import drafter, engine
-    from draftsmith.heads.target import Target
+    from draftsmith.heads import drafter
+    from draftsmith.heads.runtime import engine
+    from draftsmith.heads.runtime.target import Target
 
     original_load = Target.load.__func__
 
@@ -114,7 +115,7 @@ def tiny_stages(work: Path, device, gpus: int, results: list) -> None:
     """data, train, eval, export (and DDP when two GPUs are visible) on a tiny random Llama built here."""
     def build():
         sys.path.insert(0, str(REPO / "tests"))
-        from conftest import build_tiny_target          # the test helpers (they import pytest): inside a stage
+        from conftest import build_tiny_target  # the test helpers (they import pytest): inside a stage
         target_dir = build_tiny_target(work / "tiny-llama", "llama", layers=4)
         return {m: tiny_recipe(work, target_dir, m, str(device)) for m in ("medusa", "eagle3")}
     recipes = stage("tiny: build", build, results)
@@ -130,9 +131,9 @@ def tiny_stages(work: Path, device, gpus: int, results: list) -> None:
         stage(f"tiny: train {method}", lambda m=method: run("train", recipes[m]), results)
 
     def evaluate(method):
-        from draftsmith.eval.benchmark import EvalOptions
+        from draftsmith.eval.benchmark import EvalSettings
         from draftsmith.eval.benchmark import evaluate as run_eval
-        report = run_eval(str(work / method / "checkpoint"), EvalOptions(
+        report = run_eval(str(work / method / "checkpoint"), EvalSettings(
             prompts=str(work / "chats.jsonl"), limit=4, max_new_tokens=32, baselines=("plain", "generate"),
             exact_prompts=4, device=str(device), lookup=2), progress=False)
         if not report.greedy_exact:
@@ -201,7 +202,8 @@ def main() -> int:
         print(f"FAIL  packages missing: {missing}; bring their wheels (WHEELS=DIR bash scripts/gpu_check.sh)")
         return 1
     import torch
-    from draftsmith.heads.device import resolve_device
+
+    from draftsmith.heads.infra.device import resolve_device
     device = resolve_device(args.device)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     print(f"draftsmith GPU check: device {device}, {gpus} GPU(s) "

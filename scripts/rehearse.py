@@ -153,8 +153,9 @@ def stage(name: str, command: list[str], env: dict, log_dir: Path) -> dict:
 def build_target(directory: Path, config: dict) -> None:
     """The random bf16 target (normal(0, 0.02) weights, unit norms) and the default target's tokenizer."""
     import torch
-    from draftsmith.heads.target import Target
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftsmith.heads.runtime.target import Target
 
     if (directory / "config.json").is_file() and (directory / "tokenizer_config.json").is_file():
         print(f"      target: {directory} (built before)")
@@ -265,8 +266,9 @@ def main() -> int:
         launch = "ddp" if args.processes * per_process < available_memory() else "fsdp"
         print(f"      {args.processes} processes: about {gib(per_process)} each under DDP, "
               f"{gib(available_memory())} available: {launch}", flush=True)
-    from draftsmith.heads.target import resolve_dtype
     import torch
+
+    from draftsmith.heads.runtime.target import resolve_dtype
     precision = "bf16" if resolve_dtype("auto", torch.device(args.device)) == torch.bfloat16 else "no"
     if run.joinpath("data").is_dir():
         shutil.copytree(run / "data", run2 / "data")

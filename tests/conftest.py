@@ -19,7 +19,41 @@ CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-WORDS = ["the", "a", "an", "of", "to", "and", "in", "is", "it", "you", "that", "he", "was", "for", "on", "are", "with", "as", "I", "his", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by", "not", "word", "but", "what", "some", "we", "can", "out", "other", "were", "all", "there", "when", "up", "use", "your", "how", "said", "each", "she", "which", "do", "their", "time", "if", "will", "way", "about", "many", "then", "them", "write", "would", "like", "so", "these", "her", "long", "make", "thing", "see", "him", "two", "has", "look", "more", "day", "could", "go", "come", "did", "number", "sound", "no", "most", "people", "my", "over", "know", "water", "than", "call", "first", "who", "may", "down", "side", "been", "now", "find", "any", "new", "work", "part", "take", "get", "place", "made", "live", "where", "after", "back", "little", "only", "round", "man", "year", "came", "show", "every", "good", "me", "give", "our", "under", "name", "very", "through", "just", "form", "sentence", "great", "think", "say", "help", "low", "line", "differ", "turn", "cause", "much", "mean", "before", "move", "right", "boy", "old", "too", "same", "tell", "does", "set", "three", "want", "air", "well", "also", "play", "small", "end", "put", "home", "read", "hand", "port", "large", "spell", "add", "even", "land", "here", "must", "big", "high", "such", "follow", "act", "why", "ask", "men", "change", "went", "light", "kind", "off", "need", "house", "picture", "try", "us", "again", "animal", "point", "mother", "world", "near", "build", "self", "earth", "father", "head", "stand", "own", "page", "should", "country", "found", "answer", "school", "grow", "study", "still", "learn", "plant", "cover", "food", "sun", "four", "between", "state", "keep", "eye", "never", "last", "let", "thought", "city", "tree", "cross", "farm", "hard", "start", "might", "story", "saw", "far", "sea", "draw", "left", "late", "run", "don't", "while", "press", "close", "night", "real", "life", "few", "north", "open", "seem", "together", "next", "white", "children", "begin", "got", "walk", "example", "ease", "paper", "group", "always", "music", "those", "both", "mark", "often", "letter", "until", "mile", "river", "car", "feet", "care", "second", "book", "carry", "took", "science", "eat", "room", "friend", "began", "idea", "fish", "mountain", "stop", "once", "base", "hear", "horse", "cut", "sure", "watch", "color", "face", "wood", "main", "enough", "plain", "girl", "usual", "young", "ready", "above", "ever", "red", "list", "though", "feel", "talk", "bird", "soon", "body", "dog", "family", "direct", "pose", "leave", "song", "measure", "door", "product", "black", "short", "numeral", "class", "wind", "question", "happen", "complete", "ship", "area", "half", "rock", "order", "fire", "south", "problem", "piece", "told", "knew", "pass", "since", "top", "whole", "king", "space", "heard", "best", "hour", "better", "true", "during", "hundred", "five", "remember", "step", "early", "hold", "west", "ground", "interest", "reach", "fast", "verb", "sing", "listen", "six", "table", "travel", "less", "morning", "ten", "simple", "several", "vowel", "toward", "war", "lay", "against", "pattern", "slow", "center", ".", ",", "?", "!", ":", "(", ")", "def", "return", "print", "=", "+", "-", "*", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]
+# the tiny tokenizer's vocabulary: common English words, punctuation, a few code tokens and digits
+WORDS = [
+    'the', 'a', 'an', 'of', 'to', 'and', 'in', 'is', 'it', 'you', 'that', 'he', 'was', 'for', 'on', 'are',
+    'with', 'as', 'I', 'his', 'they', 'be', 'at', 'one', 'have', 'this', 'from', 'or', 'had', 'by', 'not',
+    'word', 'but', 'what', 'some', 'we', 'can', 'out', 'other', 'were', 'all', 'there', 'when', 'up', 'use',
+    'your', 'how', 'said', 'each', 'she', 'which', 'do', 'their', 'time', 'if', 'will', 'way', 'about', 'many',
+    'then', 'them', 'write', 'would', 'like', 'so', 'these', 'her', 'long', 'make', 'thing', 'see', 'him',
+    'two', 'has', 'look', 'more', 'day', 'could', 'go', 'come', 'did', 'number', 'sound', 'no', 'most',
+    'people', 'my', 'over', 'know', 'water', 'than', 'call', 'first', 'who', 'may', 'down', 'side', 'been',
+    'now', 'find', 'any', 'new', 'work', 'part', 'take', 'get', 'place', 'made', 'live', 'where', 'after',
+    'back', 'little', 'only', 'round', 'man', 'year', 'came', 'show', 'every', 'good', 'me', 'give', 'our',
+    'under', 'name', 'very', 'through', 'just', 'form', 'sentence', 'great', 'think', 'say', 'help', 'low',
+    'line', 'differ', 'turn', 'cause', 'much', 'mean', 'before', 'move', 'right', 'boy', 'old', 'too', 'same',
+    'tell', 'does', 'set', 'three', 'want', 'air', 'well', 'also', 'play', 'small', 'end', 'put', 'home',
+    'read', 'hand', 'port', 'large', 'spell', 'add', 'even', 'land', 'here', 'must', 'big', 'high', 'such',
+    'follow', 'act', 'why', 'ask', 'men', 'change', 'went', 'light', 'kind', 'off', 'need', 'house', 'picture',
+    'try', 'us', 'again', 'animal', 'point', 'mother', 'world', 'near', 'build', 'self', 'earth', 'father',
+    'head', 'stand', 'own', 'page', 'should', 'country', 'found', 'answer', 'school', 'grow', 'study', 'still',
+    'learn', 'plant', 'cover', 'food', 'sun', 'four', 'between', 'state', 'keep', 'eye', 'never', 'last', 'let',
+    'thought', 'city', 'tree', 'cross', 'farm', 'hard', 'start', 'might', 'story', 'saw', 'far', 'sea', 'draw',
+    'left', 'late', 'run', "don't", 'while', 'press', 'close', 'night', 'real', 'life', 'few', 'north', 'open',
+    'seem', 'together', 'next', 'white', 'children', 'begin', 'got', 'walk', 'example', 'ease', 'paper',
+    'group', 'always', 'music', 'those', 'both', 'mark', 'often', 'letter', 'until', 'mile', 'river', 'car',
+    'feet', 'care', 'second', 'book', 'carry', 'took', 'science', 'eat', 'room', 'friend', 'began', 'idea',
+    'fish', 'mountain', 'stop', 'once', 'base', 'hear', 'horse', 'cut', 'sure', 'watch', 'color', 'face',
+    'wood', 'main', 'enough', 'plain', 'girl', 'usual', 'young', 'ready', 'above', 'ever', 'red', 'list',
+    'though', 'feel', 'talk', 'bird', 'soon', 'body', 'dog', 'family', 'direct', 'pose', 'leave', 'song',
+    'measure', 'door', 'product', 'black', 'short', 'numeral', 'class', 'wind', 'question', 'happen',
+    'complete', 'ship', 'area', 'half', 'rock', 'order', 'fire', 'south', 'problem', 'piece', 'told', 'knew',
+    'pass', 'since', 'top', 'whole', 'king', 'space', 'heard', 'best', 'hour', 'better', 'true', 'during',
+    'hundred', 'five', 'remember', 'step', 'early', 'hold', 'west', 'ground', 'interest', 'reach', 'fast',
+    'verb', 'sing', 'listen', 'six', 'table', 'travel', 'less', 'morning', 'ten', 'simple', 'several', 'vowel',
+    'toward', 'war', 'lay', 'against', 'pattern', 'slow', 'center', '.', ',', '?', '!', ':', '(', ')', 'def',
+    'return', 'print', '=', '+', '-', '*', '0', '1', '2', '3', '4', '5', '6', '7', '8', '9',
+]
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
 
 
@@ -79,9 +113,20 @@ def tiny_target_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_target(tiny_target_dir):
-    from draftsmith.heads.target import Target
+    from draftsmith.heads.runtime.target import Target
 
     return Target.load(str(tiny_target_dir), "float32")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a CUDA device: without one they are deselected (and counted as such in the
+    summary), never reported as passed or skipped."""
+    if torch.cuda.is_available():
+        return
+    kept = [item for item in items if item.get_closest_marker("gpu") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("gpu") is not None])
+        items[:] = kept
 
 
 # -- the real default target (slow and serving tests) ------------------------------------------
@@ -199,7 +244,7 @@ def prompts(target, count=4, length=6, seed=0):
 
 @pytest.fixture(scope="module")
 def small_vocab_target(tmp_path_factory):
-    from draftsmith.heads.target import Target
+    from draftsmith.heads.runtime.target import Target
 
     directory = build_tiny_target(tmp_path_factory.mktemp("tiny-vocab"), seed=3, vocab_size=12, sharpen=1.5)
     return Target.load(str(directory), "float32")
@@ -207,7 +252,7 @@ def small_vocab_target(tmp_path_factory):
 
 def exact_two_token_distribution(target, prompt, temperature):
     """P(x1, x2 | prompt) by enumeration: [v, v]."""
-    from draftsmith.heads.sampling import probabilities
+    from draftsmith.heads.decoding.sampling import probabilities
 
     v = target.vocab_size
     with torch.no_grad():
@@ -250,7 +295,7 @@ class RandomDrafter:  # noqa: D101 - a Proposer (heads/contract.py)
         pass
 
     def propose(self, context):
-        from draftsmith.heads.tree import DraftTree
+        from draftsmith.heads.decoding.tree import DraftTree
 
         if self.shape == "chain":
             tokens = torch.multinomial(self.q, 2, replacement=True, generator=self.g)
@@ -261,7 +306,7 @@ class RandomDrafter:  # noqa: D101 - a Proposer (heads/contract.py)
 
 def sample_pairs(target, drafter, prompt, runs, temperature, rule="auto"):
     """Counts [v, v] of the first two tokens of `runs` speculative decodes (end to end, through the model)."""
-    from draftsmith.heads.verifier import decode
+    from draftsmith.heads.decoding.verifier import decode
 
     v = target.vocab_size
     counts = torch.zeros(v, v)

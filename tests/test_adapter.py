@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_config, make_tokenizer, save_lora, tiny_recipe
-from draftsmith.heads.adapter import Adapter, AdapterError
+from draftsmith.heads.runtime.adapter import Adapter, AdapterError
 from draftsmith.heads.drafter import checkpoint_target, load_drafter
-from draftsmith.heads.target import Target, TargetError
+from draftsmith.heads.runtime.target import Target, TargetError
 from draftsmith.train.loop import fit
 from draftsmith.train.settings import RecipeError, recipe_from_dict
 
@@ -40,7 +40,7 @@ def test_an_adapter_changes_the_target_and_is_part_of_its_identity(tiny_target_d
 
 
 def test_training_on_an_adapted_target_records_it_and_the_bare_base_is_refused(tiny_target_dir, lora_dir, tmp_path):
-    from draftsmith.heads.verifier import decode
+    from draftsmith.heads.decoding.verifier import decode
 
     spec = tiny_recipe(tmp_path, tiny_target_dir, epochs=2)
     spec["target"]["adapter"] = str(lora_dir)

@@ -148,6 +148,7 @@ def test_bad_process_group_timeouts_and_cache_checks_are_named(tiny_target_dir, 
         recipe_from_dict({**raw, "train": {**raw["train"], "verify_cache": "sometimes"}})
 
 
+@pytest.mark.multiprocess
 def test_the_process_group_timeout_reaches_torch_distributed(tiny_target_dir, tmp_path):
     """train.dist_timeout_minutes is the timeout of the process group accelerate makes (2 gloo processes)."""
     script = tmp_path / "probe.py"
@@ -280,14 +281,14 @@ def _grads(drafter, batch):
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(tiny_target_dir, kind):
     """train.gradient_checkpointing recomputes activations in backward: the loss and every gradient
     equal those of the run that keeps them (EAGLE's draft layer per test-time step, Medusa-2's backbone)."""
-    from draftsmith.heads.drafter import registry
-    from draftsmith.heads.target import Target
+    from draftsmith.heads.registry import registry
+    from draftsmith.heads.runtime.target import Target
     from draftsmith.train.batches import collate
 
     target = Target.load(str(tiny_target_dir), "float32")
     config = {"eagle3": {"draft_vocab_size": 64, "ttt_steps": 3}, "eagle": {}, "medusa2": {"num_heads": 2}}[kind]
     cls = registry()[kind]
-    from draftsmith.heads.config import config_from_dict
+    from draftsmith.heads.infra.config import config_from_dict
     torch.manual_seed(0)
     drafter = cls(config_from_dict(cls.config_class, config, "drafter"), target)
     drafter.attach_backbone()

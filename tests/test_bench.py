@@ -110,16 +110,16 @@ def test_bad_traffic_is_named(checkpoint, tmp_path, capsys):
 
 
 def test_ctrl_c_writes_what_was_measured_marked_incomplete(checkpoint, tmp_path, monkeypatch, capsys):
-    from draftsmith.heads import verifier
+    from draftsmith.eval import bench
     calls = {"n": 0}
-    original = verifier.decode
+    original = bench.decode
 
     def interrupted(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] > 2 + 5:           # the 2 warm-up runs, then 2 full pairs and half of a third
             raise KeyboardInterrupt
         return original(*args, **kwargs)
-    monkeypatch.setattr(verifier, "decode", interrupted)
+    monkeypatch.setattr(bench, "decode", interrupted)          # the verifier as the bench calls it
     out = tmp_path / "report"
     argv = ["bench", str(checkpoint), "--prompts", str(traffic_file(tmp_path / "t.jsonl")), "--repeats", "1",
             "--max-new-tokens", "4", "--dtype", "float32", "--device", "cpu", "--out", str(out)]

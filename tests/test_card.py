@@ -75,9 +75,9 @@ def test_push_uploads_the_checkpoint_without_its_resume_state_plus_the_exports(t
 
 def test_from_pretrained_loads_a_directory_and_names_what_it_cannot_fetch(trained, monkeypatch):
     import huggingface_hub
-    from draftsmith.export.card import Drafter
+    from draftsmith.export.hub import Drafter
     from draftsmith.heads.drafter import load_drafter
-    from draftsmith.heads.target import Target
+    from draftsmith.heads.runtime.target import Target
 
     checkpoint, _ = trained
     drafter = Drafter.from_pretrained(str(checkpoint), dtype="float32", device="cpu")

@@ -14,7 +14,7 @@ from conftest import chats_file, make_tokenizer
 from draftsmith.data import sources
 from draftsmith.data.chat import tokenize_chat
 from draftsmith.data.distill import DataSettings, make_data
-from draftsmith.data.vocab import d2t_offsets, draft_vocabulary, t2d_mask
+from draftsmith.heads.draft_vocab import d2t_offsets, draft_vocabulary, t2d_mask
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,7 +105,7 @@ def test_make_data_writes_ids_and_features_and_refuses_other_settings(tiny_targe
     assert table.num_rows == 6 and set(table.column_names) >= {"input_ids", "loss_mask", "shard", "row"}
     records = [r for shard in shard_paths(tmp_path / "data") for r in read_shard(shard)]
     for record in records:      # the reply is exactly what the target generated: plain greedy decoding
-        from draftsmith.heads.verifier import decode
+        from draftsmith.heads.decoding.verifier import decode
         prompt_len = record["loss_mask"].index(1)
         reply = decode(tiny_target, record["input_ids"][:prompt_len], 12).tokens
         assert record["input_ids"][prompt_len:] == reply
@@ -253,7 +253,7 @@ def test_mix_regenerates_its_share_of_batches():
 DATA_SCRIPT = """
 import sys
 from draftsmith.data.distill import DataSettings, make_data
-from draftsmith.heads.target import Target
+from draftsmith.heads.runtime.target import Target
 target = Target.load(sys.argv[1], "float32", "cpu")
 make_data(target, DataSettings(source=sys.argv[2], max_conversations=None, batch_size=2, max_new_tokens=48,
                                temperature=0.9, mode=sys.argv[4], regenerate_share=0.5), sys.argv[3], seed=5,
@@ -261,6 +261,7 @@ make_data(target, DataSettings(source=sys.argv[2], max_conversations=None, batch
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["regenerate", "mix"])
 def test_data_generation_killed_and_restarted_loses_and_duplicates_nothing(tiny_target_dir, tmp_path, mode):
     source = (chats_file if mode == "regenerate" else dialogues_file)(tmp_path / "chats.jsonl", 60)
@@ -324,7 +325,7 @@ def test_continuous_batching_gives_one_by_one_greedy_output_and_features(tiny_ta
 
     from draftsmith.data.generate import generate_batch
     from draftsmith.data.stream import generate_stream
-    from draftsmith.heads.verifier import decode
+    from draftsmith.heads.decoding.verifier import decode
 
     words = "the time is one of the day and the night of water fish sea".split()
     prompts = [tiny_target.tokenizer(" ".join(words[i % 7: i % 7 + 2 + (i * 5) % 9]))["input_ids"] for i in range(11)]
@@ -392,7 +393,7 @@ def test_at_the_time_cap_finished_conversations_are_kept_and_a_rerun_makes_the_r
     source = dialogues_file(tmp_path / "d.jsonl", 24)
     settings = DataSettings(source=str(source), max_conversations=None, batch_size=4, max_new_tokens=10,
                             max_turns=2, temperature=0.8)
-    from draftsmith.heads.target import Target
+    from draftsmith.heads.runtime.target import Target
     tiny_target = Target.load(str(tiny_target_dir), "float32")
     layers = [tiny_target.num_layers]
     make_data(tiny_target, settings, tmp_path / "probe", seed=3, progress=False)

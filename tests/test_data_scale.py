@@ -17,7 +17,7 @@ import yaml
 from conftest import WORDS, build_tiny_target, chats_file, tiny_recipe
 from draftsmith.data.distill import DataSettings, make_data, read_shard, shard_paths
 from draftsmith.data.health import DegenerateData, Health, loop_tokens, require_healthy, verdict, limits_from
-from draftsmith.heads.target import Target
+from draftsmith.heads.runtime.target import Target
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -208,6 +208,7 @@ def _features(data_dir: Path) -> dict:
     return {f.stem: load_file(str(f))["features"] for f in sorted((data_dir / "features").glob("*/*.safetensors"))}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_two_ranks_write_exactly_what_one_process_writes(tiny_target_dir, tmp_path, temperature):
     raw = tiny_recipe(tmp_path, tiny_target_dir)
@@ -227,6 +228,7 @@ def test_two_ranks_write_exactly_what_one_process_writes(tiny_target_dir, tmp_pa
     assert health["total"]["replies"] == 40 and len(health["shards"]) == 10
 
 
+@pytest.mark.multiprocess
 def test_a_rank_killed_mid_run_and_a_rerun_with_another_world_size_lose_and_duplicate_nothing(
         tiny_target_dir, tmp_path):
     raw = tiny_recipe(tmp_path, tiny_target_dir)
@@ -257,8 +259,9 @@ def test_a_rank_killed_mid_run_and_a_rerun_with_another_world_size_lose_and_dupl
     assert len(_records(tmp_path / "whole" / "data")) == 40
 
 
+@pytest.mark.multiprocess
 def test_a_second_launch_on_the_same_directory_is_refused_on_every_rank(tiny_target_dir, tmp_path):
-    from draftsmith.heads.files import DirectoryLock
+    from draftsmith.heads.infra.files import DirectoryLock
 
     raw = tiny_recipe(tmp_path, tiny_target_dir)
     recipe_path = tmp_path / "recipe.yaml"

@@ -1,13 +1,13 @@
 """The real default target (SmolLM2-135M-Instruct): a short training run, then evaluation.  Marked slow."""
 import pytest
-from draftsmith.eval.benchmark import EvalOptions, evaluate
+from draftsmith.eval.benchmark import EvalSettings, evaluate
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle3"])
 def test_short_training_gives_exact_speculation_with_tau_above_one(default_run, method):
-    report = evaluate(default_run[method], EvalOptions(limit=2, max_new_tokens=40, proposal="chain",
+    report = evaluate(default_run[method], EvalSettings(limit=2, max_new_tokens=40, proposal="chain",
                                                        baselines=("plain",)), progress=False)
     assert report.greedy_exact is True and report.exact_checked_prompts == 2
     assert report.tau > 1.0
@@ -19,7 +19,7 @@ def test_the_embedded_target_is_converted_once_for_every_copy_of_its_file(tmp_pa
     import shutil
 
     import transformers
-    from draftsmith.heads import assets
+    from draftsmith.heads.runtime import assets
 
     installed = assets.package_file(*assets.EMBEDDED_TARGETS["smollm2-135m"])
     converted = assets.convert_gguf(installed, name="smollm2-135m")

@@ -9,8 +9,8 @@ import pytest
 import torch
 import yaml
 from draftsmith.cli import main
-from draftsmith.heads.device import DeviceError, available_devices, resolve_device
-from draftsmith.heads.target import Target
+from draftsmith.heads.infra.device import DeviceError, available_devices, resolve_device
+from draftsmith.heads.runtime.target import Target
 from draftsmith.train.settings import RecipeError, recipe_from_dict
 from conftest import chats_file
 
@@ -94,7 +94,7 @@ def test_eval_refuses_a_missing_device_before_any_work(tmp_path, capsys, monkeyp
 
 
 def test_a_device_map_naming_a_missing_device_lists_the_devices_there_are(monkeypatch):
-    from draftsmith.heads.device import check_device_map
+    from draftsmith.heads.infra.device import check_device_map
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DeviceError, match=r"puts 'model.layers.10' on 'cuda:3', which is not on this machine; "
@@ -110,7 +110,7 @@ def test_a_device_map_naming_a_missing_device_lists_the_devices_there_are(monkey
 def test_a_target_loaded_with_a_device_map_decodes_and_extracts_as_without(tiny_target_dir):
     """transformers' big-model loading (device_map=auto puts everything on the CPU here): the same
     greedy tokens and the same hidden states as the plain load."""
-    from draftsmith.heads.verifier import decode
+    from draftsmith.heads.decoding.verifier import decode
 
     plain = Target.load(str(tiny_target_dir), "float32", "cpu")
     mapped = Target.load(str(tiny_target_dir), "float32", "cpu", device_map="auto")

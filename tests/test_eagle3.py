@@ -2,11 +2,11 @@
 import pytest
 import torch
 from conftest import build_tiny_target, prompts
-from draftsmith.heads.verifier import decode
-from draftsmith.heads.dynamic_tree import TreeSettings
+from draftsmith.heads.decoding.verifier import decode
+from draftsmith.heads.decoding.dynamic_tree import TreeSettings
 from draftsmith.heads.eagle3 import Eagle3, Eagle3Config
 from draftsmith.heads.eagle_layer import ttt_mask
-from draftsmith.heads.target import Target, TargetError
+from draftsmith.heads.runtime.target import Target, TargetError
 
 
 def test_ttt_mask_element_by_element():

@@ -2,8 +2,8 @@
 import pytest
 import torch
 from conftest import build_tiny_target
-from draftsmith.heads.target import Target
-from draftsmith.heads.tree import DraftTree
+from draftsmith.heads.runtime.target import Target
+from draftsmith.heads.decoding.tree import DraftTree
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
@@ -86,7 +86,7 @@ def test_layer_ids_follow_hidden_states_convention(tiny_target):
 def test_float16_on_a_cpu_packs_weights_for_small_blocks_only(tiny_target_dir):
     """dtype float16 on a CPU: blocks of at most 16 tokens use fp16 weights (close to fp32), larger
     ones the fp32 weights (identical to an fp32 target); the identity is the fp32 target's."""
-    from draftsmith.heads.cpu_linear import PackedLinear, fbgemm_fp16_available
+    from draftsmith.heads.runtime.cpu_linear import PackedLinear, fbgemm_fp16_available
     if not fbgemm_fp16_available():
         pytest.skip("this PyTorch build has no FBGEMM fp16 GEMM (non-x86): float16 falls back to fp32 there")
     fp32 = Target.load(str(tiny_target_dir), "float32", "cpu")
@@ -105,7 +105,7 @@ def test_float16_on_a_cpu_packs_weights_for_small_blocks_only(tiny_target_dir):
 
 
 def test_a_medusa_drafter_decoding_beside_a_packed_target_saves_only_its_weights(tiny_target_dir, tmp_path):
-    from draftsmith.heads.cpu_linear import fbgemm_fp16_available
+    from draftsmith.heads.runtime.cpu_linear import fbgemm_fp16_available
     from draftsmith.heads.drafter import load_drafter, save_drafter
     from draftsmith.heads.medusa import Medusa, MedusaConfig
     if not fbgemm_fp16_available():

@@ -4,10 +4,10 @@ import json
 import pytest
 import torch
 from conftest import build_tiny_target, eagle3_checkpoint, medusa_checkpoint, prompts
-from draftsmith.heads.verifier import decode
+from draftsmith.heads.decoding.verifier import decode
 from draftsmith.heads.drafter import CheckpointError
 from draftsmith.export import ExportError, export, import_drafter
-from draftsmith.heads.target import TargetError
+from draftsmith.heads.runtime.target import TargetError
 from safetensors.torch import load_file, save_file
 
 
@@ -155,7 +155,7 @@ def test_import_refuses_maps_that_disagree_and_another_target(tiny_target, tiny_
         import_drafter(out, "vllm", tiny_target)
     medusa_checkpoint(tiny_target, tmp_path / "m", num_heads=2, draft_vocab_size=32)
     export(tmp_path / "m", "vllm", tmp_path / "mx", dtype="float32")
-    from draftsmith.heads.target import Target
+    from draftsmith.heads.runtime.target import Target
     other = Target.load(str(build_tiny_target(tmp_path / "other", seed=9)), "float32")
     with pytest.raises(ImportError_, match="shared head is not this target's lm_head"):
         import_drafter(tmp_path / "mx", "vllm", other)

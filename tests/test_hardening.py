@@ -1,7 +1,8 @@
 """Bad input and faults a user meets: nothing done is lost, nothing wrong passes silently, and every
 mistake gets one line (`error: ...`, exit code 2) that names the problem and the fix.
 
-The numbers in the test names are the items of the hardening list in docs/design.md ("Bad input").
+The number in a test's name groups it by the item of the first hardening round it covers (a name says
+what it checks); docs/errors.md describes each refusal for users.
 """
 import json
 import subprocess
@@ -16,7 +17,7 @@ from draftsmith.cli import main
 from draftsmith.data import sources
 from draftsmith.heads.drafter import CheckpointError, load_drafter, read_config
 from draftsmith.export import export
-from draftsmith.heads.target import Target, TargetError
+from draftsmith.heads.runtime.target import Target, TargetError
 from draftsmith.train.settings import RecipeError, load_recipe, recipe_from_dict
 
 
@@ -114,7 +115,7 @@ def test_4_repeated_ids_are_made_unique_and_every_chat_is_kept(tiny_target_dir, 
 
 def test_5_a_second_process_on_one_output_dir_is_refused(trained, capsys):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom draftsmith.heads.files import DirectoryLock\n"
+        [sys.executable, "-c", "import sys, time\nfrom draftsmith.heads.infra.files import DirectoryLock\n"
          f"with DirectoryLock({str(trained.run)!r}, 'test'):\n    print('held', flush=True)\n    time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -292,7 +293,7 @@ def test_13_a_time_capped_run_needs_room_for_its_first_shards_not_for_every_conv
     from types import SimpleNamespace
 
     from draftsmith.data import distill, space
-    from draftsmith.heads.files import StorageError
+    from draftsmith.heads.infra.files import StorageError
 
     target = SimpleNamespace(hidden_size=64)
     batches = [[None] * 8 for _ in range(20)]
@@ -330,7 +331,7 @@ def test_13_a_feature_cache_the_disk_cannot_hold_is_refused_before_it_is_written
 
     from draftsmith.data import features as feature_cache
     from draftsmith.data.distill import shard_paths
-    from draftsmith.heads.files import StorageError
+    from draftsmith.heads.infra.files import StorageError
 
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
@@ -383,7 +384,7 @@ def test_the_eval_time_budget_stops_prompts_when_they_run_slower_than_measured()
     from types import SimpleNamespace
 
     from draftsmith.eval.benchmark import over_budget
-    from draftsmith.heads.decode_settings import EvalSettings
+    from draftsmith.heads.decoding.settings import EvalSettings
 
     options = EvalSettings(max_minutes=1, exact_prompts=3)        # 60 s
     done = [SimpleNamespace(seconds={"plain": 4.0})] * 3             # each prompt took 12 s in all modes

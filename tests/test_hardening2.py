@@ -1,7 +1,7 @@
 """Hardening, second round: no verb overwrites work it did not make, no input silently changes the result,
 a full disk loses nothing, and every bad input is one `error:` line with exit code 2.
 
-The numbers in the test names are the items of the second hardening round (README, "Bad input": Outputs,
+The numbers in the test names are the items of the second hardening round (docs/errors.md: Outputs,
 Inputs, Bounds, push, one line).  Each runs the real CLI (draftsmith.cli.main, in process) and checks what
 was kept: the checkpoint's bytes, the source export, no temporaries.
 """
@@ -162,7 +162,7 @@ def test_2_export_on_a_full_disk_leaves_nothing(tiny_target, tmp_path, capsys, m
 
     medusa_checkpoint(tiny_target, tmp_path / "ckpt", num_heads=2, lm_head="own")
     monkeypatch.setattr(core, "free_bytes", lambda path: 10, raising=False)
-    from draftsmith.heads import files
+    from draftsmith.heads.infra import files
     monkeypatch.setattr(files, "free_bytes", lambda path: 10)
     code, line = run_cli(capsys, "export", tmp_path / "ckpt", "--to", "vllm", tmp_path / "exports" / "x")
     assert code == 2 and "the export needs about" in line

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from draftsmith.heads.verifier import decode
-from draftsmith.heads.lookup import WithLookup, lookup, merge_chain
+from draftsmith.heads.decoding.verifier import decode
+from draftsmith.heads.decoding.lookup import WithLookup, lookup, merge_chain
 from draftsmith.heads.medusa import Medusa, MedusaConfig
-from draftsmith.heads.tree import DraftTree, TreeShape, all_paths
+from draftsmith.heads.decoding.tree import DraftTree, TreeShape, all_paths
 from conftest import RandomDrafter, chi_square_p_value, exact_two_token_distribution
 
 
@@ -75,6 +75,7 @@ def test_accepted_tokens_are_credited_to_whoever_proposed_them(tiny_target):
     assert merged.accepted == {"drafter": 0, "lookup": sum(spec.accepted)} and sum(spec.accepted) > 0
 
 
+@pytest.mark.slow                 # thousands of samples: a distribution test
 def test_sampling_with_the_lookup_keeps_the_target_distribution(small_vocab_target):
     target = small_vocab_target
     target.eos_token_ids = []

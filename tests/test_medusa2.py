@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from draftsmith.heads.verifier import decode
+from draftsmith.heads.decoding.verifier import decode
 from draftsmith.heads.drafter import checkpoint_target, load_drafter, read_config
 from draftsmith.heads.medusa2 import Medusa2, Medusa2Config
-from draftsmith.heads.target import Target
+from draftsmith.heads.runtime.target import Target
 from draftsmith.train.loop import fit
 from draftsmith.train.settings import recipe_from_dict
 from safetensors.torch import load_file
@@ -89,7 +89,7 @@ def test_medusa2_resumes_exactly(tiny_target_dir, tmp_path, monkeypatch):
 
 
 def test_medusa2_refuses_a_target_that_cannot_take_gradients(tiny_target_dir, tmp_path):
-    from draftsmith.heads.cpu_linear import fbgemm_fp16_available
+    from draftsmith.heads.runtime.cpu_linear import fbgemm_fp16_available
     if not fbgemm_fp16_available():
         pytest.skip("float16 on this CPU is plain float32 (no FBGEMM): nothing packed to refuse")
     drafter = Medusa2(Medusa2Config(**JOINT), Target.load(str(tiny_target_dir), "float16", "cpu"))

@@ -3,10 +3,10 @@ the tokens drafted before each head.  They start as plain Medusa, train, stay ex
 
 import pytest
 import torch
-from draftsmith.heads.verifier import decode
+from draftsmith.heads.decoding.verifier import decode
 from draftsmith.heads.drafter import DraftContext, load_drafter, save_drafter
 from draftsmith.heads.medusa import Medusa, MedusaConfig
-from draftsmith.heads.tree import TreeShape, all_paths
+from draftsmith.heads.decoding.tree import TreeShape, all_paths
 from conftest import prompts
 
 

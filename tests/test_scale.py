@@ -64,6 +64,7 @@ def one_process_run(tiny_target_dir, tmp_path_factory):
     return recipe_path, run_train(recipe_path, tmp_path / "one", "train.batch_size=8"), tmp_path / "one"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("launch", LAUNCHES)
 def test_two_processes_reach_the_losses_of_one_with_the_same_global_batch(one_process_run, tmp_path, launch):
     """`accelerate launch --config_file recipes/accelerate/<launch>.yaml --num_processes 2` on CPU
@@ -97,13 +98,14 @@ def test_two_processes_reach_the_losses_of_one_with_the_same_global_batch(one_pr
     assert drafter.kind == "medusa"
 
 
+@pytest.mark.multiprocess
 def test_eagle3_under_zero3_with_an_uneven_held_out_split_matches_one_process(tiny_target_dir, tmp_path):
     """EAGLE-3 under ZeRO-3, whose weights are gathered inside every call: the held-out batches do not
     divide evenly between the processes (each still makes the same calls, or they would wait on each
     other forever), and the run reaches the one-process losses and weights."""
     import shutil
 
-    from draftsmith.heads.target import Target
+    from draftsmith.heads.runtime.target import Target
     from draftsmith.train.batches import load_training_data
     from draftsmith.train.settings import recipe_from_dict
 
@@ -131,6 +133,7 @@ def test_eagle3_under_zero3_with_an_uneven_held_out_split_matches_one_process(ti
     assert [r for r in one if "heldout/agreement" in r][-1]["heldout/agreement"] == pytest.approx(
         [r for r in two if "heldout/agreement" in r][-1]["heldout/agreement"], abs=1e-6)
 
+@pytest.mark.multiprocess
 def test_two_machines_simulated_on_one_reach_the_losses_of_one_process(one_process_run, tmp_path):
     """The README's two-node command, both nodes on localhost: `--num_machines 2 --machine_rank 0|1`,
     one process each, against one process with the same global batch."""
@@ -156,6 +159,7 @@ def test_two_machines_simulated_on_one_reach_the_losses_of_one_process(one_proce
     for a, b in zip(losses_one, losses_two):
         assert abs(a - b) <= 1e-4 * abs(a), (losses_one, losses_two)
 
+@pytest.mark.multiprocess
 def test_an_fsdp_run_killed_and_resumed_ends_where_one_process_does(one_process_run, tmp_path):
     """FSDP's optimizer state is gathered whole into the checkpoint and spread again on resume: a
     2-process FSDP run killed mid-run (SIGKILL to the launcher's process group) and resumed reaches the
@@ -214,8 +218,8 @@ def test_a_loss_split_over_micro_batches_with_the_steps_counts_equals_the_whole_
     """The loss of one batch of four rows, and the sum over two micro-batches of two rows each with the
     step's token counts as denominators, are equal, and so are their gradients.  Dividing each
     micro-batch by its own counts (what a per-micro-batch mean does) is shown to differ."""
-    from draftsmith.heads.drafter import registry
-    from draftsmith.heads.target import Target
+    from draftsmith.heads.registry import registry
+    from draftsmith.heads.runtime.target import Target
     from draftsmith.train.batches import collate
 
     target = Target.load(str(tiny_target_dir), "float32")
@@ -246,7 +250,7 @@ def test_a_loss_split_over_micro_batches_with_the_steps_counts_equals_the_whole_
 def test_cache_mode_training_loads_only_the_targets_embedding_and_head(tiny_target_dir, tmp_path, method):
     """With the feature cache all there and no held-out decoding, training reads two matrices of the
     target instead of the whole model, and ends on the same weights as with the whole target."""
-    from draftsmith.heads.target import Target
+    from draftsmith.heads.runtime.target import Target
 
     raw = tiny_recipe(tmp_path, tiny_target_dir, epochs=1, eval_prompts=1)
     if method == "eagle3":

@@ -19,11 +19,11 @@ import pytest
 import tomllib
 from draftsmith.data import sources
 from draftsmith.data.chat import prompt_ids
-from draftsmith.heads import metrics
-from draftsmith.heads.verifier import decode
+from draftsmith.heads.decoding import metrics
+from draftsmith.heads.decoding.verifier import decode
 from draftsmith.heads.drafter import load_drafter
 from draftsmith.export import export
-from draftsmith.heads.target import Target
+from draftsmith.heads.runtime.target import Target
 
 pytestmark = pytest.mark.serving
 
@@ -92,7 +92,7 @@ def prompts(target, tmp_path_factory):
 
 
 def serve(vllm_python, prompts_path, out, *extra, model=None):
-    from draftsmith.heads.assets import resolve_target_path
+    from draftsmith.heads.runtime.assets import resolve_target_path
 
     model = model or resolve_target_path("smollm2-135m")[0]
     command = [vllm_python, str(REPO / "scripts" / "vllm_roundtrip.py"), "--target", str(model),

@@ -4,7 +4,7 @@ import json
 
 import pytest
 from draftsmith.data.chat import ChatTemplateError, prompt_ids, tokenize_chat
-from draftsmith.heads.target import Target, TargetError
+from draftsmith.heads.runtime.target import Target, TargetError
 
 # Like Qwen3's: an assistant turn before the last user message loses its reasoning ("think ... stop"),
 # and enable_thinking=false opens the reply with an empty reasoning block.

@@ -11,7 +11,7 @@ import yaml
 from conftest import build_tiny_target, tiny_recipe
 from draftsmith.heads.drafter import load_drafter
 from draftsmith.heads.medusa import Medusa, MedusaConfig
-from draftsmith.heads.target import Target, TargetError
+from draftsmith.heads.runtime.target import Target, TargetError
 from draftsmith.train.loop import TrainingError, fit
 from draftsmith.train.settings import RecipeError, load_recipe, recipe_from_dict
 from safetensors.torch import load_file
@@ -70,7 +70,7 @@ def test_a_drafter_refuses_another_target(tiny_target_dir, tmp_path):
 
 
 def test_target_errors_are_clear(tmp_path):
-    from draftsmith.heads.assets import AssetError
+    from draftsmith.heads.runtime.assets import AssetError
     with pytest.raises(AssetError, match="not found"):
         Target.load(str(tmp_path / "nowhere"))
     (tmp_path / "notamodel").mkdir()
@@ -109,6 +109,7 @@ fit(load_recipe(sys.argv[1], sys.argv[2:]), progress=False)
 """
 
 
+@pytest.mark.multiprocess
 def test_training_killed_and_resumed_ends_with_the_same_weights(tiny_target_dir, tmp_path):
     raw = tiny_recipe(tmp_path, tiny_target_dir, save_every=1)
     recipe_path = tmp_path / "recipe.yaml"
@@ -195,23 +196,24 @@ def test_recipes_lists_the_shipped_ones_and_show_prints_what_a_run_reads(capsys,
     assert "'lr' must be a number" in capsys.readouterr().err
 
 
-def test_the_python_api_of_the_readme_runs(tiny_target_dir, tmp_path):
-    """The README's Python API section, on a tiny model: load_recipe, make_recipe_data, fit, evaluate, export."""
-    from draftsmith.eval.benchmark import EvalOptions, evaluate
+def test_the_python_api_of_the_docs_runs(tiny_target_dir, tmp_path):
+    """The Python API of docs/usage.md (linked from the README), on a tiny model: load_recipe,
+    make_recipe_data, fit, evaluate, export."""
+    from draftsmith.eval.benchmark import EvalSettings, evaluate
     from draftsmith.export import export
     from draftsmith.train.batches import make_recipe_data
     from draftsmith.train.settings import load_recipe
 
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "usage.md").read_text()
     for call in ("load_recipe(", "make_recipe_data(recipe, recipe.target.load())", "report = fit(recipe)",
-                 "evaluate(report.checkpoint, EvalOptions(", "export(report.checkpoint, \"vllm\""):
+                 "evaluate(report.checkpoint, EvalSettings(", "export(report.checkpoint, \"vllm\""):
         assert call in readme, call
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump(tiny_recipe(tmp_path, tiny_target_dir, epochs=1, eval_prompts=0)))
     recipe = load_recipe(recipe_file, ["drafter.draft_vocab_size=null", "drafter.lm_head=shared"])
     make_recipe_data(recipe, recipe.target.load(), progress=False)
     report = fit(recipe, progress=False)
-    result = evaluate(report.checkpoint, EvalOptions(prompts=str(tmp_path / "chats.jsonl"), limit=2, max_new_tokens=8,
+    result = evaluate(report.checkpoint, EvalSettings(prompts=str(tmp_path / "chats.jsonl"), limit=2, max_new_tokens=8,
                                                      exact_prompts=1, baselines=("plain",)), progress=False)
     assert result.greedy_exact and result.tau >= 1.0
     out = export(report.checkpoint, "vllm", tmp_path / "vllm")

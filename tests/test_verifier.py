@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from draftsmith.heads import acceptance
-from draftsmith.heads.verifier import decode
+from draftsmith.heads.decoding import acceptance
+from draftsmith.heads.decoding.verifier import decode
 from draftsmith.heads.medusa import Medusa, MedusaConfig
-from draftsmith.heads.tree import DraftTree, TreeShape, all_paths
+from draftsmith.heads.decoding.tree import DraftTree, TreeShape, all_paths
 from conftest import RandomDrafter, chi_square_p_value, exact_two_token_distribution, prompts, sample_pairs
 
 
@@ -112,11 +112,12 @@ def fixed_logit_pairs(table, root, propose, runs, temperature, top_p=1.0, rule="
 
 
 def markov_pair_distribution(table, root, temperature, top_p=1.0):
-    from draftsmith.heads.sampling import probabilities
+    from draftsmith.heads.decoding.sampling import probabilities
 
     return probabilities(table[root], temperature, top_p)[:, None] * probabilities(table, temperature, top_p)
 
 
+@pytest.mark.slow                 # thousands of samples: a distribution test
 @pytest.mark.parametrize("propose", [chain_proposal, tree_proposal], ids=["chain", "tree"])
 @pytest.mark.parametrize("temperature,top_p", [(0.8, 1.0), (1.3, 0.9)])
 def test_rejection_sampling_keeps_the_target_distribution_on_fixed_logits(propose, temperature, top_p):
@@ -125,6 +126,7 @@ def test_rejection_sampling_keeps_the_target_distribution_on_fixed_logits(propos
     assert chi_square_p_value(counts, markov_pair_distribution(table, 4, temperature, top_p)) > 1e-3
 
 
+@pytest.mark.slow                 # thousands of samples: a distribution test
 @pytest.mark.parametrize("propose", [chain_proposal, tree_proposal], ids=["chain", "tree"])
 def test_the_fixed_logit_test_detects_lossy_rules(propose):
     """Negative control: typical acceptance is not lossless, and the same test must say so."""
@@ -134,6 +136,7 @@ def test_the_fixed_logit_test_detects_lossy_rules(propose):
     assert chi_square_p_value(counts, expected) < 1e-3
 
 
+@pytest.mark.slow                 # thousands of samples: a distribution test
 def test_the_fixed_logit_test_detects_a_drafter_that_misreports_q():
     """A drafter that samples from q but reports another q' (a real bug: probabilities from the wrong
     temperature) makes rejection sampling lossy; the same test must say so."""
@@ -148,6 +151,7 @@ def test_the_fixed_logit_test_detects_a_drafter_that_misreports_q():
     assert chi_square_p_value(counts, expected) < 1e-3
 
 
+@pytest.mark.slow                 # thousands of samples: a distribution test
 @pytest.mark.parametrize("shape", ["tree"])
 def test_speculative_sampling_keeps_the_target_distribution(small_vocab_target, shape):
     target = small_vocab_target

@@ -14,9 +14,14 @@ import os
 from datetime import timedelta
 
 import torch
-from accelerate.utils import DistributedType
-from draftsmith.heads.device import resolve_device
-from draftsmith.heads.target import resolve_dtype
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.utils import (DataLoaderConfiguration, DeepSpeedPlugin, DistributedDataParallelKwargs, DistributedType,
+                              FullyShardedDataParallelPlugin, InitProcessGroupKwargs, ProjectConfiguration)
+from transformers.integrations import deepspeed as hf_deepspeed
+
+from draftsmith.heads.infra.device import resolve_device
+from draftsmith.heads.runtime.target import resolve_dtype
 
 from .settings import Recipe
 
@@ -24,8 +29,6 @@ log = logging.getLogger(__name__)
 
 
 def make_accelerator(recipe: Recipe):
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
 
     settings = recipe.train
     device = resolve_device(recipe.target.device)
@@ -43,8 +46,6 @@ def make_accelerator(recipe: Recipe):
         log_with = "wandb"
     elif settings.report_to == "tensorboard":
         log_with = "tensorboard"
-    from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     # accelerate keeps one process-wide state; a second fit() in the same process (a notebook, a sweep)
     # may ask for another precision, so the per-run part is cleared (the process group is kept)
@@ -95,16 +96,12 @@ def launched_with() -> str | None:
 
 
 def _switch_to(accelerator, kind) -> None:
-    from accelerate.state import PartialState
-
     # both shared states: accelerate copies the process state's type into each AcceleratorState it builds
     PartialState._shared_state["distributed_type"] = kind
     accelerator.state.distributed_type = kind
 
 
 def _fsdp_on_cpu(accelerator) -> None:
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
     plugin = FullyShardedDataParallelPlugin()          # fsdp_version, state dict type ... from FSDP_* variables
     if plugin.fsdp_version != 2:
         raise ValueError("FSDP on CPU processes needs fsdp_version: 2 in the accelerate config (FSDP1 is GPU only)")
@@ -117,11 +114,10 @@ def _deepspeed_on_cpu(accelerator, timeout_minutes: float) -> None:
     """DeepSpeed over the gloo process group accelerate made (asked for the GPU way, accelerate would
     see no backend and run every process as if it were alone)."""
     try:
-        import deepspeed
+        import deepspeed  # optional: only under a DeepSpeed launch
     except ImportError:
         raise ImportError('the accelerate config asks for DeepSpeed, which is not installed: pip install '
                           '"draftsmith[deepspeed]" (or use recipes/accelerate/ddp.yaml or fsdp.yaml)') from None
-    from accelerate.utils import DeepSpeedPlugin
 
     deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False,     # adopts the existing group
                                     timeout=timedelta(minutes=timeout_minutes))
@@ -155,7 +151,7 @@ def whole_parameters(accelerator, model):
         finally:
             model.reshard()
     elif accelerator.distributed_type == DistributedType.DEEPSPEED and zero_stage(accelerator) == 3:
-        import deepspeed
+        import deepspeed  # optional: only under a DeepSpeed launch
 
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
             yield
@@ -184,7 +180,6 @@ def whole_target(accelerator):
     if zero_stage(accelerator) != 3:
         yield
         return
-    from transformers.integrations import deepspeed as hf_deepspeed
 
     saved = hf_deepspeed._hf_deepspeed_config_weak_ref
     hf_deepspeed.unset_hf_deepspeed_config()

@@ -14,9 +14,18 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import datasets
+import pyarrow.compute as pc
 import torch
-from draftsmith.data.features import CacheError
-from draftsmith.heads.target import Target, TargetIdentity
+
+from draftsmith.data import features as feature_cache
+from draftsmith.data.distill import check_same_data, make_data, shard_paths
+from draftsmith.data.features import CacheError, ShardReader
+from draftsmith.data.health import require_healthy
+from draftsmith.heads.registry import drafter_class, registry
+from draftsmith.heads.runtime.target import Target, TargetIdentity
+
+from .accelerator import whole_target
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +34,6 @@ WINDOW = 32
 
 def feature_layers(recipe, target: Target) -> tuple[int, ...]:
     """The target layers the recipe's drafter reads (its loss included)."""
-    from draftsmith.heads.drafter import registry
 
     return tuple(registry()[recipe.method](recipe.drafter, target).required_layers)
 
@@ -33,8 +41,6 @@ def feature_layers(recipe, target: Target) -> tuple[int, ...]:
 def make_recipe_data(recipe, target: Target, progress: bool = True, launch=None, full_target=None):
     """The recipe's data step: self-distillation that also fills the feature cache its drafter will read
     (launch, full_target: data/distill.py make_data)."""
-    from draftsmith.data.distill import make_data
-
     layers = feature_layers(recipe, target) if recipe.train.features == "cache" else ()
     return make_data(target, recipe.data, recipe.out / "data", recipe.seed, progress=progress, capture_layers=layers,
                      launch=launch, full_target=full_target)
@@ -69,11 +75,6 @@ def load_training_data(recipe, target: Target, layers=(), accelerator=None) -> T
     Under a launch of P processes nothing is done by one process while the others wait: data must exist
     already (DataNotReady says how to make it), and the cache's shards are checked (train.verify_cache)
     and, where missing or broken, built by the processes together, process r taking shards r, r + P, ..."""
-    import datasets
-    from draftsmith.data import features as feature_cache
-    from draftsmith.data.distill import check_same_data, shard_paths
-    from draftsmith.data.health import require_healthy
-
     data_dir = recipe.out / "data"
     use_cache = recipe.train.features == "cache" and bool(layers)
     processes = accelerator.num_processes if accelerator is not None else 1
@@ -133,8 +134,6 @@ class TokenColumn(Sequence):
 
     def lengths(self) -> list[int]:
         """Every row's length, from the Arrow offsets (nothing is decoded)."""
-        import pyarrow.compute as pc
-
         every = pc.list_value_length(self.column).to_numpy()
         return [int(every[i]) for i in self.rows]
 
@@ -144,8 +143,6 @@ class FeatureSource:
     as train.verify_cache says) by `build_missing` just before: here only their headers are read."""
 
     def __init__(self, directory, layers, target_hash: str, wanted=None):
-        from draftsmith.data.features import ShardReader
-
         self.directory = directory
         self.layers = sorted(set(layers))                          # stored in the files
         self.wanted = sorted(set(wanted)) if wanted else self.layers  # handed to the drafter
@@ -295,13 +292,11 @@ def training_target(recipe, accelerator) -> Target:
     training from a feature cache that is all there, no held-out decoding in this process (eval_prompts
     0, or not the main process), and a drafter that neither trains part of the target (Medusa-2) nor
     copies its layers (init_from_target).  A 70B target then costs each process two matrices."""
-    from draftsmith.data import features as feature_cache
-
     decodes_here = recipe.train.eval_prompts > 0 and accelerator.is_main_process
-    light = (recipe.train.features == "cache" and not decodes_here and recipe.method != "medusa2"
+    trains_target = drafter_class(recipe.method).trains_target_adapter
+    light = (recipe.train.features == "cache" and not decodes_here and not trains_target
              and not getattr(recipe.drafter, "init_from_target", False) and not recipe.target.adapter
              and (recipe.out / "data" / "tokenized").is_dir())
-    from .accelerator import whole_target
 
     with whole_target(accelerator):
         if light:

@@ -9,17 +9,25 @@ on resume: weights are safetensors; optimizer and RNG states are read with
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import pickle
 import random
 import shutil
 import time
 from pathlib import Path
 
 import torch
-from draftsmith.heads.drafter import WEIGHTS_FILE, read_config, read_weights, save_drafter
-from draftsmith.heads.files import (StorageError, as_disk_full, free_bytes, human_size, require_writable,
-                                    swap_directory)
-from draftsmith.heads.target import TargetIdentity
+from accelerate.utils import DistributedType
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from draftsmith.heads.card import write_card  # in whole
+from draftsmith.heads.drafter import RESERVED, WEIGHTS_FILE, read_config, read_weights, save_drafter
+from draftsmith.heads.infra import outputs, strict_yaml
+from draftsmith.heads.infra.files import (StorageError, as_disk_full, free_bytes, human_size, require_writable,
+                                          swap_directory)
+from draftsmith.heads.runtime.target import TargetIdentity
 
 from .settings import Recipe, RecipeError, save_recipe
 
@@ -33,8 +41,6 @@ RESUME_FREE = {"resume", "overwrite", "output_dir", "eval", "train.max_steps", "
 def guard_output(recipe: Recipe) -> None:
     """Before any work: output_dir is not another verb's work (outputs.guard_output), it can be written, and
     a trained checkpoint is not replaced unasked."""
-    from draftsmith.heads import outputs
-
     outputs.guard_output(recipe.out, "train", "run", overwrite=True, foreign_ok=True)
     require_writable(recipe.out, "output_dir")
     checkpoint = recipe.out / "checkpoint"
@@ -81,7 +87,6 @@ def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimiz
                 torch.save(optimizer_state, tmp / "state" / FSDP_OPTIMIZER)
             (tmp / "state" / "scheduler.json").write_text(json.dumps(_scheduler_state(scheduler)))  # the directory
             (tmp / "state" / "progress.json").write_text(json.dumps({**progress, "sharding": sharding}))  # is swapped
-            from draftsmith.export.card import write_card                                          # in whole
             write_card(tmp)
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -102,8 +107,6 @@ FSDP_OPTIMIZER = "optimizer-fsdp.pt"
 
 def load_state_file(path: Path):
     """A resume-state file, read with weights_only=True (tensors, numbers and containers; never pickled code)."""
-    import pickle
-
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
@@ -115,8 +118,6 @@ def load_state_file(path: Path):
 
 def require_checkpoint_space(directory: Path, drafter) -> None:
     """Refuse, before writing (and before training), a filesystem without room for one more checkpoint."""
-    import errno
-
     needed, free = checkpoint_bytes(drafter), free_bytes(directory.parent)
     if free < needed:
         raise StorageError(errno.ENOSPC, f"a checkpoint of this drafter needs about {human_size(needed)} at "
@@ -135,22 +136,16 @@ def checkpoint_bytes(drafter) -> int:
 
 def sharding_of(accelerator) -> str | None:
     """'fsdp' or 'deepspeed' when the drafter's state is sharded over the processes, else None."""
-    from accelerate.utils import DistributedType
-
     return {DistributedType.FSDP: "fsdp", DistributedType.DEEPSPEED: "deepspeed"}.get(accelerator.distributed_type)
 
 
 def _full_optimizer_state(model, optimizer) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
     return get_optimizer_state_dict(model, optimizer.optimizer,
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def _load_sharded(found: Path, model, optimizer, accelerator) -> None:
     """FSDP: whole weights and optimizer state, read on the main process and spread from there."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     main = accelerator.is_main_process
     set_model_state_dict(model, read_weights(found) if main else {}, options=options)
@@ -190,8 +185,6 @@ def find_checkpoint(directory: Path) -> Path | None:
 
 def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, scheduler) -> dict:
     """Restore weights, optimizer, scheduler, RNG and data position; refuse a checkpoint of another run."""
-    from draftsmith.heads import strict_yaml
-
     found = find_checkpoint(directory)
     if found is None:
         raise FileNotFoundError(f"resume=true but {directory} holds no resumable checkpoint (no state/); "
@@ -223,7 +216,6 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
         drafter.load_state_dict(read_weights(found), strict=True)
         optimizer.load_state_dict(load_state_file(found / "state" / "optimizer.pt"))
     drafter.load_adapter(found)
-    from draftsmith.heads.drafter import RESERVED
     drafter.metadata.update({k: v for k, v in read_config(found).items() if k not in RESERVED})
     scheduler.load_state_dict(json.loads((found / "state" / "scheduler.json").read_text()))
     rng_file = found / "state" / f"rng-{accelerator.process_index}.pt"

@@ -21,18 +21,24 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from draftsmith.heads.metrics import simulated_tau
-from draftsmith.heads.device import same_device
-from draftsmith.heads.drafter import registry, save_drafter
-from draftsmith.heads.files import DirectoryLock
-from draftsmith.heads.target import Target, TargetError
 
-from .accelerator import fill_deepspeed_sizes, make_accelerator, whole_parameters, whole_target
+from draftsmith.heads.card import write_card
+from draftsmith.heads.decoding.metrics import per_position_acceptance, simulated_tau, tau
+from draftsmith.heads.decoding.verifier import decode
+from draftsmith.heads.draft_vocab import assistant_token_counts, coverage, draft_vocabulary
+from draftsmith.heads.drafter import save_drafter, warm_start
+from draftsmith.heads.infra.device import same_device
+from draftsmith.heads.infra.files import DirectoryLock
+from draftsmith.heads.registry import registry
+from draftsmith.heads.runtime.target import Target, TargetError
+
+from .accelerator import fill_deepspeed_sizes, make_accelerator, whole_parameters, whole_target, zero_stage
 from .batches import (Batches, feature_layers, load_training_data, require_data_for_launch, step_denominators,
                       training_target)
 from .checkpointing import guard_output, load_state, require_checkpoint_space, save_checkpoint
+from .plan import check_drafter_size
 from .schedule import warmup_cosine
-from .settings import Recipe
+from .settings import Recipe, loader_workers
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +74,6 @@ def build_drafter(recipe: Recipe, target: Target, train_rows):
     drafter.data_is_target_greedy = recipe.data.mode == "regenerate" and recipe.data.temperature == 0
     vocab_size = recipe.drafter.draft_vocab_size
     if vocab_size:
-        from draftsmith.data.vocab import (
-            assistant_token_counts,
-            coverage,
-            draft_vocabulary,
-        )
-
         counts = assistant_token_counts(train_rows["input_ids"], train_rows["loss_mask"], target.vocab_size)
         vocab = draft_vocabulary(counts, vocab_size, always=target.eos_token_ids)
         drafter.set_draft_vocabulary(vocab)
@@ -82,7 +82,6 @@ def build_drafter(recipe: Recipe, target: Target, train_rows):
                  100 * drafter.metadata["draft_vocab_coverage"])
     init_from = recipe.drafter.init_from
     if init_from:                  # its weights, its draft vocabulary (the rows of its lm_head) included
-        from draftsmith.heads.drafter import warm_start
         warm_start(drafter, init_from)
         log.info("warm start from %s", init_from)
     return drafter
@@ -109,7 +108,6 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
     elif not same_device(target.device, accelerator.device):
         raise ValueError(f"the target given to fit() is on {target.device} but training runs on "
                          f"{accelerator.device}: load it with device={str(accelerator.device)!r}")
-    from draftsmith.train.plan import check_drafter_size
     check_drafter_size(recipe, target, accelerator.num_processes)      # before data is made or it is allocated
     layers = feature_layers(recipe, target)
     try:            # under a launch, each process checks and builds its own share of the feature cache
@@ -164,8 +162,6 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
 
 def _write_launch(recipe, accelerator, target) -> None:
     """logs/launch.json: how the run was spread (what accelerate actually did, not what was asked)."""
-    from .accelerator import zero_stage
-
     if accelerator.is_main_process:
         (recipe.out / "logs").mkdir(parents=True, exist_ok=True)
         (recipe.out / "logs" / "launch.json").write_text(json.dumps({
@@ -293,8 +289,6 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
     history.append(final)
     weights = accelerator.get_state_dict(model)             # gathered under FSDP / ZeRO-3
     if accelerator.is_main_process:
-        from draftsmith.export.card import write_card
-
         save_drafter(drafter, checkpoint_dir, state=weights,
                      extra={"heldout": {k: v for k, v in final.items() if k.startswith(("heldout", "eval"))}})
         write_card(checkpoint_dir)          # the model card, with the held-out figures just measured
@@ -302,14 +296,6 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
                        stopped_by=stopped_by, heldout_agreement=final["heldout/agreement"],
                        heldout_simulated_tau=final["heldout/simulated_tau"], checkpoint=str(checkpoint_dir),
                        history=history)
-
-
-def loader_workers(settings, device) -> int:
-    """train.loader_workers, or the device's default: 4 processes feeding a GPU, none on CPU (where
-    they would take the cores the step runs on)."""
-    if settings.loader_workers is not None:
-        return settings.loader_workers
-    return 4 if device.type == "cuda" else 0
 
 
 def total_tokens(accelerator, state: dict) -> int:
@@ -321,9 +307,6 @@ def total_tokens(accelerator, state: dict) -> int:
 @torch.no_grad()
 def decode_heldout(recipe, target, drafter, heldout) -> dict:
     """Real speculative decoding of held-out prompts with the drafter as it is now: tau, per-position acceptance."""
-    from draftsmith.heads import metrics
-    from draftsmith.heads.verifier import decode
-
     was_training = drafter.training
     drafter.eval()
     accepted: list[int] = []
@@ -333,8 +316,7 @@ def decode_heldout(recipe, target, drafter, heldout) -> dict:
         accepted += decode(target, prompt, recipe.train.eval_max_new_tokens, drafter=drafter).accepted
     drafter.train(was_training)
     depth = max(accepted, default=0)
-    return {"eval/tau": metrics.tau(accepted),
-            "eval/per_position_acceptance": metrics.per_position_acceptance(accepted, max(depth, 1))}
+    return {"eval/tau": tau(accepted), "eval/per_position_acceptance": per_position_acceptance(accepted, max(depth, 1))}
 
 
 def _train_step(accelerator, model, optimizer, scheduler, target, batch, layers, settings, window):
@@ -455,7 +437,7 @@ def _validate(recipe, accelerator, target, model, heldout, state, log_path, cali
         logged.update({k: v for k, v in metrics.items() if k.startswith("eval/") and not isinstance(v, list)})
         logged.update({f"eval/acceptance_{j}": a for j, a in enumerate(metrics["eval/per_position_acceptance"])})
         if recipe.train.report_to == "wandb":
-            import wandb
+            import wandb  # optional at run time: only with train.wandb
             rows = [[state["step"], j, a] for j, a in enumerate(metrics["eval/per_position_acceptance"])]
             logged["eval/acceptance_table"] = wandb.Table(columns=["step", "position", "acceptance"], data=rows)
     accelerator.log(logged, step=state["step"])

@@ -10,12 +10,26 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
+import re
 import time
 from dataclasses import dataclass
 
 import torch
-from draftsmith.heads.files import free_bytes, human_size
+from accelerate import init_empty_weights
+
+from draftsmith.data import features as feature_cache
+from draftsmith.data import sources
+from draftsmith.data.chat import tokenize_chat
+from draftsmith.data.distill import columns
+from draftsmith.data.generate import generate_batch
+from draftsmith.data.space import estimate_lengths
+from draftsmith.heads.infra.files import free_bytes, human_size
+from draftsmith.heads.registry import drafter_class, registry
+from draftsmith.heads.runtime.target import resolve_dtype
+from draftsmith.train.batches import collate, feature_layers
+from draftsmith.train.settings import RecipeError, loader_workers
 
 log = logging.getLogger("draftsmith")
 
@@ -27,8 +41,6 @@ TOKEN_COLUMN_BYTES = 44      # a token's input id and loss mask as the Python li
 @torch.no_grad()
 def _data_rate(target, sample_ids: list[list[int]], settings) -> tuple[float, str]:
     """Tokens per second the data step makes here, measured on the sample."""
-    from draftsmith.data.generate import generate_batch
-
     batch = sample_ids[: min(settings.batch_size, len(sample_ids))]
     start = time.time()
     if settings.mode == "prefill":
@@ -57,9 +69,6 @@ class TrainingProbe:
 def _training_probe(recipe, target, rows: list[list[int]], masks: list[list[int]]) -> TrainingProbe:
     """Training tokens per second here: two drafter steps on the sample (features computed online),
     and the activation bytes autograd saves for backward in them (saved_tensors_hooks, each storage once)."""
-    from draftsmith.heads.drafter import registry
-    from draftsmith.train.batches import collate
-
     drafter = registry()[recipe.method](recipe.drafter, target)
     drafter.attach_backbone()
     drafter.train()
@@ -77,7 +86,6 @@ def _training_probe(recipe, target, rows: list[list[int]], masks: list[list[int]
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    from draftsmith.heads.target import resolve_dtype
     bf16 = recipe.train.mixed_precision == "bf16" or (
         recipe.train.mixed_precision == "auto" and resolve_dtype("auto", target.device) == torch.bfloat16)
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=bf16)   # as training decides
@@ -99,8 +107,6 @@ def memory_plan(recipe, target, probe: TrainingProbe, layers) -> dict:
     """Bytes per training process, for cache mode and for online mode: on the device (target, drafter
     weights, gradients and AdamW state in fp32, activations scaled from the probe to batch_size x
     max_seq_len) and on the host (the token columns, the loader's batches in flight)."""
-    from draftsmith.train.loop import loader_workers
-
     b, s = recipe.train.batch_size, recipe.data.max_seq_len
     head_bytes = 2 * target.vocab_size * target.hidden_size * 2                  # embedding + lm_head, bf16
     config = target.config
@@ -112,7 +118,7 @@ def memory_plan(recipe, target, probe: TrainingProbe, layers) -> dict:
     online_forward = b * s * (4 * target.hidden_size + 2 * intermediate) * 2 + batch_features
     workers = loader_workers(recipe.train, target.device)
     in_flight = max(1, 2 * workers) * batch_features * (2 if target.device.type == "cuda" else 1)   # + pinned copy
-    light = recipe.method != "medusa2" and recipe.train.eval_prompts == 0
+    light = not drafter_class(recipe.method).trains_target_adapter and recipe.train.eval_prompts == 0
     return {
         "cache": {"device": (head_bytes if light else whole_bytes) + drafter_state + activations,
                   "host": in_flight},
@@ -136,13 +142,6 @@ def _parameter_bytes(target) -> int:
 
 def dry_run(recipe, target, verb: str) -> dict:
     """The plan of `draftsmith data|train RECIPE`, printed and returned; nothing is written."""
-    from draftsmith.data import features as feature_cache
-    from draftsmith.data import sources
-    from draftsmith.data.chat import tokenize_chat
-    from draftsmith.data.distill import columns
-    from draftsmith.data.space import estimate_lengths
-    from draftsmith.train.batches import feature_layers
-
     settings = recipe.data
     if verb == "train":
         check_drafter_size(recipe, target)             # before the probe allocates it
@@ -229,18 +228,12 @@ def check_drafter_size(recipe, target, world: int = 1) -> int:
     refused before any allocation when training it needs more memory than the device has in all, even
     sharded over `world` processes (a bound for hopeless sizes, not a fit check: the dry run's probe and
     --dry-run's memory line are that).  Returns its parameter count."""
-    from accelerate import init_empty_weights
-
-    from draftsmith.heads.drafter import registry
-    from draftsmith.train.settings import RecipeError
-
     fix = "make it smaller (the drafter section: e.g. num_heads, num_layers, intermediate_size)"
     try:
         with init_empty_weights():         # parameters on the meta device; buffers (vocab maps, trees) real
             drafter = registry()[recipe.method](recipe.drafter, target)
     except RuntimeError as err:
         if "can't allocate memory" in str(err) or "out of memory" in str(err):     # one tensor past what exists
-            import re
             asked = re.search(r"allocate (\d+) bytes", str(err))
             size = f" ({human_size(int(asked.group(1)))})" if asked else ""
             raise RecipeError(f"the drafter this recipe describes ({recipe.method}) holds a tensor{size} larger than "
@@ -264,8 +257,6 @@ def check_drafter_size(recipe, target, world: int = 1) -> int:
 
 def total_memory(device) -> int:
     """All the memory of `device`: a GPU's total, or the machine's MemTotal."""
-    import os
-
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)

@@ -10,15 +10,20 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 import yaml
+
 from draftsmith.data.distill import DataSettings
-from draftsmith.heads.decode_settings import EvalSettings
-from draftsmith.heads import strict_yaml
-from draftsmith.heads.config import ConfigError, coerce, config_from_dict
-from draftsmith.heads.prompt_format import TEMPLATE_SYNTAX
-from draftsmith.heads.drafter import registry
+from draftsmith.heads.decoding.settings import EvalSettings
+from draftsmith.heads.infra import strict_yaml
+from draftsmith.heads.infra.config import ConfigError, coerce, config_from_dict
+from draftsmith.heads.infra.device import DeviceError, check_device_map, resolve_device
+from draftsmith.heads.registry import registry
+from draftsmith.heads.runtime.adapter import Adapter, AdapterError
+from draftsmith.heads.runtime.prompt_format import TEMPLATE_SYNTAX, TemplateError, template_text
+from draftsmith.heads.runtime.target import Target
 
 
 class RecipeError(ConfigError):
@@ -54,24 +59,20 @@ class TargetSettings:
     def __post_init__(self):
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise RecipeError(f"target.dtype must be auto, bfloat16, float16 or float32, got '{self.dtype}'")
-        from draftsmith.heads.device import DeviceError, resolve_device
         try:
             resolve_device(self.device)
         except DeviceError as err:
             raise RecipeError(f"target.device: {err}") from None
-        from draftsmith.heads.device import check_device_map
         try:
             self.device_map = check_device_map(self.device_map)
         except DeviceError as err:
             raise RecipeError(f"target.device_map: {err}") from None
         if self.chat_template not in (None, "none"):
-            from draftsmith.heads.prompt_format import TemplateError, template_text
             try:
                 template_text(self.chat_template)
             except TemplateError as err:
                 raise RecipeError(str(err)) from None
         if self.adapter is not None:
-            from draftsmith.heads.adapter import Adapter, AdapterError
             try:
                 Adapter.read(self.adapter)                  # a bad adapter is named before anything loads
             except AdapterError as err:
@@ -79,10 +80,7 @@ class TargetSettings:
 
     def load(self, device=None, layers: bool = True):
         """The target these settings describe, on `device` (default: target.device); layers=False: its
-        embedding and lm_head only, where that is possible (heads/target_heads.py)."""
-        from draftsmith.heads.device import resolve_device
-        from draftsmith.heads.target import Target
-
+        embedding and lm_head only, where that is possible (heads/runtime/embedding_lm_head.py)."""
         return Target.load(self.path, self.dtype, resolve_device(self.device if device is None else device),
                            trust_remote_code=self.trust_remote_code, adapter=self.adapter,
                            merge_adapter=self.merge_adapter, layers=layers, device_map=self.device_map,
@@ -280,8 +278,6 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     overrides applied."""
     path = Path(path)
     if not path.is_file():
-        from importlib import resources
-
         shipped = resources.files("draftsmith.recipes").joinpath(f"{path.name.removesuffix('.yaml')}.yaml")
         if len(path.parts) != 1 or not shipped.is_file():
             raise RecipeError(f"recipe '{path}' does not exist (neither a file nor a shipped recipe: "
@@ -298,3 +294,11 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
 
 def save_recipe(recipe: Recipe, path: Path) -> None:
     path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+
+
+def loader_workers(settings, device) -> int:
+    """train.loader_workers, or the device's default: 4 processes feeding a GPU, none on CPU (where
+    they would take the cores the step runs on)."""
+    if settings.loader_workers is not None:
+        return settings.loader_workers
+    return 4 if device.type == "cuda" else 0

@@ -9,63 +9,25 @@ before the norm as `hidden_states[N]`, so layer N is always taken from
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import json
 import logging
-from dataclasses import MISSING, asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from . import engine
-from .adapter import Adapter
-from .assets import resolve_target_path
-from .device import check_device_map, resolve_device
+from draftsmith.heads.infra.device import check_device_map, resolve_device
+from draftsmith.heads.runtime import engine
+from draftsmith.heads.runtime.adapter import Adapter
+from draftsmith.heads.runtime.assets import resolve_target_path
+from draftsmith.heads.runtime.cpu_linear import fbgemm_fp16_available, pack_linears
+from draftsmith.heads.runtime.embedding_lm_head import load_embedding_and_lm_head
+from draftsmith.heads.runtime.identity import TargetError, TargetIdentity, base_identity, text_config
+from draftsmith.heads.runtime.prompt_format import apply_chat_settings
 
 log = logging.getLogger(__name__)
-
-
-class TargetError(ValueError):
-    """A target that cannot be loaded, or that does not match a drafter."""
-
-
-@dataclass(frozen=True)
-class TargetIdentity:
-    """What a drafter was trained against: recorded in every checkpoint."""
-
-    name: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    weights_sha256: str  # of the embedding and lm_head, whole, in bf16
-    layers_sha256: str = ""  # of a strided sample (256 values) of every parameter, in bf16 ("" in old checkpoints)
-    adapter_sha256: str = ""  # of the LoRA adapter on the base (heads/adapter.py); "" = none
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TargetIdentity:
-        return cls(**{k: d[k] for k, f in cls.__dataclass_fields__.items() if k in d or f.default is MISSING})
-
-    def require_same(self, other: TargetIdentity, what: str) -> None:
-        """Raise unless `other` is the same target (the name may differ: a path moves).  A checkpoint
-        written before layers_sha256 existed is compared on the rest."""
-        fields = ["vocab_size", "hidden_size", "num_layers", "weights_sha256"]
-        if self.layers_sha256 and other.layers_sha256:
-            fields.append("layers_sha256")
-        diffs = [f"{f}: {getattr(self, f)} vs {getattr(other, f)}" for f in fields if getattr(self, f) != getattr(other, f)]
-        if diffs == [f"layers_sha256: {self.layers_sha256} vs {other.layers_sha256}"]:
-            diffs[0] += " (same embedding and lm_head, other layer weights: a fine-tune of the same base?)"
-        if self.adapter_sha256 != other.adapter_sha256:
-            diffs.append(f"LoRA adapter: {self.adapter_sha256 or 'none'} vs {other.adapter_sha256 or 'none'} "
-                         "(target.adapter=DIR puts one on the target; eval and bench take --adapter DIR|none)")
-        if diffs:
-            raise TargetError(
-                f"{what} was made for target '{self.name}' but the loaded target is '{other.name}' "
-                f"({'; '.join(diffs)}). Load the target it was trained on (target.path=...) or retrain."
-            )
 
 
 @dataclass
@@ -76,28 +38,8 @@ class BlockOutput:
     hidden_states: dict[int, torch.Tensor]  # layer id -> [b, n, d]
 
 
-def _weights_hash(*tensors: torch.Tensor) -> str:
-    digest = hashlib.sha256()
-    for t in tensors:
-        digest.update(t.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
-def _sampled_hash(model: nn.Module, samples: int = 256) -> str:
-    """A hash of `samples` evenly strided values of every parameter, in bf16: any fine-tune changes it,
-    and it costs milliseconds however large the model (the values are gathered on the model's device)."""
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        flat = p.detach().reshape(-1)
-        picked = flat[:: max(1, flat.numel() // samples)][:samples]
-        digest.update(picked.to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
 def _require_causal_lm(model_dir: Path, path: str) -> None:
     """A saved config that names its architecture must name a causal LM (BERT's encoder is not one)."""
-    import json
-
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         return
@@ -110,7 +52,7 @@ def _require_causal_lm(model_dir: Path, path: str) -> None:
 
 def preferred_dtype(device: str | torch.device = "cpu") -> torch.dtype:
     """bf16 where the device computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX); on other
-    x86 CPUs float16, i.e. fp16 weights packed for decoding with fp32 activations (heads/cpu_linear.py);
+    x86 CPUs float16, i.e. fp16 weights packed for decoding with fp32 activations (heads/runtime/cpu_linear.py);
     else fp32."""
     device = torch.device(device)
     if device.type == "cuda":
@@ -118,7 +60,6 @@ def preferred_dtype(device: str | torch.device = "cpu") -> torch.dtype:
     if device.type == "cpu":
         if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
             return torch.bfloat16
-        from .cpu_linear import fbgemm_fp16_available
         return torch.float16 if fbgemm_fp16_available() else torch.float32
     return torch.float32
 
@@ -134,20 +75,6 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -
     return getattr(torch, name)
 
 
-def _text_config(model: nn.Module):
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-
-
-def base_identity(model: nn.Module, name: str) -> TargetIdentity:
-    """The identity of a model without an adapter."""
-    config = _text_config(model)
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    return TargetIdentity(
-        name=name, model_type=str(config.model_type), vocab_size=int(head.weight.shape[0]),
-        hidden_size=int(config.hidden_size), num_layers=int(config.num_hidden_layers),
-        weights_sha256=_weights_hash(embed.weight, head.weight), layers_sha256=_sampled_hash(model))
-
-
 class Target:
     """A frozen Hugging Face causal LM (with its LoRA adapter, if any) with what drafters need from it."""
 
@@ -156,7 +83,7 @@ class Target:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
-        self.config = _text_config(model)
+        self.config = text_config(model)
         self.num_layers = int(self.config.num_hidden_layers)
         self.hidden_size = int(self.config.hidden_size)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -165,7 +92,7 @@ class Target:
         self.lm_head: nn.Module = model.get_output_embeddings()
         self.identity = identity or base_identity(model, name)
         self.adapter: Adapter | None = None                    # set by load()
-        self.layers_loaded = True      # False: embedding and lm_head only (heads/target_heads.py)
+        self.layers_loaded = True      # False: embedding and lm_head only (heads/runtime/embedding_lm_head.py)
         self.chat: dict | None = None  # set_chat(): a template, its arguments and stop tokens of the recipe's own
         self.eos_token_ids = self._eos_ids()
         self.source = name
@@ -179,14 +106,12 @@ class Target:
              device_map=None, chat: dict | None = None) -> Target:
         """Load a target from a local HF directory, a hub id in the local cache, a .gguf file or 'smollm2-135m'.
 
-        device: 'auto' (cuda when present, else cpu), or a device name (heads/device.py);
+        device: 'auto' (cuda when present, else cpu), or a device name (heads/infra/device.py);
         dtype 'auto' is bf16 where that device computes it natively; adapter: a peft LoRA directory
         put on the model (merged into its weights unless merge_adapter is false); layers=False: only
-        the embedding and lm_head, when the files allow it and there is no adapter (heads/target_heads.py);
-        device_map: spread the layers over several devices (heads/device.py, check_device_map); inputs
+        the embedding and lm_head, when the files allow it and there is no adapter (heads/runtime/embedding_lm_head.py);
+        device_map: spread the layers over several devices (heads/infra/device.py, check_device_map); inputs
         then go to the embedding's device, and hidden states and logits come back there."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         device = resolve_device(device)
         lora = Adapter.read(adapter, merge_adapter) if adapter else None      # checked before the model loads
         model_dir, name = resolve_target_path(path, trust_remote_code=trust_remote_code)
@@ -194,15 +119,15 @@ class Target:
         torch_dtype = resolve_dtype(dtype, device)
         device_map = check_device_map(device_map)
         if not layers and lora is None:
-            from .target_heads import load_heads
-
             heads_dtype = torch.float32 if torch_dtype == torch.float16 and device.type == "cpu" else torch_dtype
-            target = load_heads(Path(model_dir), name, heads_dtype, device, trust_remote_code)
-            if target is not None:
+            parts = load_embedding_and_lm_head(Path(model_dir), name, heads_dtype, device, trust_remote_code)
+            if parts is not None:
+                target = cls(*parts)
+                target.layers_loaded = False
                 target.source = path if not Path(path).expanduser().exists() else str(Path(path).expanduser().resolve())
                 target.set_chat(chat)
                 return target
-        # float16 on a CPU: fp32 weights, plus fp16 copies packed for small blocks (heads/cpu_linear.py)
+        # float16 on a CPU: fp32 weights, plus fp16 copies packed for small blocks (heads/runtime/cpu_linear.py)
         packed = torch_dtype == torch.float16 and device.type == "cpu"
         try:
             model = AutoModelForCausalLM.from_pretrained(
@@ -220,7 +145,6 @@ class Target:
             model = lora.apply(model, name)
         precision = str(torch_dtype).replace("torch.", "")
         if packed:
-            from .cpu_linear import fbgemm_fp16_available, pack_linears
             if fbgemm_fp16_available():
                 pack_linears(model)
                 precision = "float16 (fp16 weights packed for CPU decoding, fp32 activations)"
@@ -240,8 +164,6 @@ class Target:
         """How this target is prompted (target.chat_template, chat_template_kwargs, stop_tokens): on its
         tokenizer, which every verb renders through, and in its end-of-turn ids.  `self.chat` is what a
         checkpoint and the data fingerprint record (None: the model's own template and EOS)."""
-        from .prompt_format import apply_chat_settings
-
         chat = {k: v for k, v in (chat or {}).items() if v not in (None, {}, [], ())}
         apply_chat_settings(self.tokenizer, chat.get("template"), chat.get("kwargs"))
         extra = []

@@ -1,5 +1,4 @@
-"""Hub conventions for a checkpoint: its model card, the folder `draftsmith push` uploads, and
-`Drafter.from_pretrained` for a directory or a Hub repository.
+"""A checkpoint's model card (README.md), written from what the directory itself holds.
 
 The card (`README.md` in the checkpoint) is written with the checkpoint and again after each
 `draftsmith eval`, from what the directory itself holds: config.json (target identity, drafter,
@@ -9,23 +8,24 @@ last_eval.json (the last evaluation and its conditions).  Nothing in it is typed
 from __future__ import annotations
 
 import json
-import shutil
+import time
 from pathlib import Path
 
 import yaml
 
-from draftsmith.heads import strict_yaml
-from draftsmith.heads.assets import looks_like_hub_id
 from draftsmith.heads.drafter import CONFIG_FILE, WEIGHTS_FILE, read_config, target_path
-from draftsmith.heads.files import write_atomic
+from draftsmith.heads.formats import formats_of
+from draftsmith.heads.infra import strict_yaml
+from draftsmith.heads.infra.files import write_atomic
+from draftsmith.heads.infra.version import __version__
+from draftsmith.heads.registry import registry, trained_class
+from draftsmith.heads.runtime.assets import looks_like_hub_id
 
 CARD_FILE = "README.md"
 LAST_EVAL_FILE = "last_eval.json"
 HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}      # embedded targets: where they come from
-KINDS = {"medusa": "Medusa heads", "medusa2": "Medusa-2 heads", "eagle": "EAGLE-1 feature drafter",
-         "eagle3": "EAGLE-3 drafter"}
 # what a pushed folder holds: the checkpoint without its resume state (optimizer, RNG)
-PUSHED = (CONFIG_FILE, WEIGHTS_FILE, "recipe.yaml", LAST_EVAL_FILE, "medusa2.json")   # and the card, made anew
+PUSHED = (CONFIG_FILE, WEIGHTS_FILE, "recipe.yaml", LAST_EVAL_FILE)   # and the card, made anew
 ADAPTER_DIR = "adapter"      # a LoRA trained with the drafter: adapter_config.json and its safetensors only
 
 
@@ -45,12 +45,10 @@ def _rates(values) -> str:
 
 
 def model_card(directory: Path) -> str:
-    from draftsmith import __version__
-
     directory = Path(directory)
     config = read_config(directory)
     target, kind = config["target"], config["kind"]
-    kind_name = KINDS.get("medusa2" if "medusa2" in config else kind, kind)
+    kind_name = trained_class(config).title
     recipe = strict_yaml.load((directory / "recipe.yaml").read_text()) if (directory / "recipe.yaml").is_file() else {}
     progress_file = directory / "state" / "progress.json"
     progress = json.loads(progress_file.read_text()) if progress_file.is_file() else {}
@@ -119,13 +117,12 @@ def _measured_section(heldout: dict, last_eval: dict | None) -> list[str]:
 
 
 def _serving_section(config: dict) -> list[str]:
-    from .core import SUPPORTED
-    from .writers import serving_command
-
     lines = ["## Serve it", ""]
-    for fmt in SUPPORTED.get(config["kind"], ()):
+    for fmt, declared in formats_of(config["kind"]).items():
+        if declared.write is None:
+            continue
         try:
-            command = serving_command(config, fmt)
+            command = declared.serve(config)
         except ValueError as err:
             command = f"# not exportable to {fmt}: {err}"
         lines += [f"`{fmt}`:", "", "```bash", f"draftsmith export THIS_DIR --to {fmt} OUT_DIR",
@@ -141,8 +138,6 @@ def write_card(directory: Path) -> Path:
 
 def record_eval(directory: Path, report) -> None:
     """The last evaluation, beside the checkpoint (and in its card)."""
-    import time
-
     keep = ("tau", "per_position_acceptance", "speedup_vs_plain", "greedy_exact", "exact_checked_prompts", "prompts",
             "prompts_source", "max_new_tokens", "temperature", "proposal", "dtype", "device")
     summary = {k: getattr(report, k) for k in keep} | {"date": time.strftime("%Y-%m-%d")}
@@ -150,80 +145,8 @@ def record_eval(directory: Path, report) -> None:
     write_card(directory)
 
 
-def push_folder(checkpoint: Path, staging: Path, export_formats: tuple[str, ...] = (), dtype: str = "bfloat16") -> Path:
-    """The folder `draftsmith push` uploads, staged without touching the checkpoint: an allowlist (weights,
-    config, card, recipe, last eval, the adapter's config and safetensors), an export per format in
-    `export-FORMAT/`, and no absolute local path in any of it (`_scrub`)."""
-    from .core import export
-
-    checkpoint, staging = Path(checkpoint), Path(staging)
-    read_config(checkpoint)                       # a damaged checkpoint is named before anything is copied
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for name in PUSHED:
-        if (checkpoint / name).is_file():
-            shutil.copy2(checkpoint / name, staging / name)
-    adapter = checkpoint / ADAPTER_DIR
-    for source in sorted(adapter.glob("*")) if adapter.is_dir() else ():
-        if source.is_file() and (source.name == "adapter_config.json" or source.suffix == ".safetensors"):
-            (staging / ADAPTER_DIR).mkdir(exist_ok=True)
-            shutil.copy2(source, staging / ADAPTER_DIR / source.name)
-    (staging / CARD_FILE).write_text(model_card(checkpoint))          # the card as it is now, in the staging only
-    for fmt in export_formats:       # written beside the staging (an export never lands in a checkpoint), then moved
-        written = export(checkpoint, fmt, staging.with_name(f"{staging.name}-export-{fmt}"), dtype=dtype)
-        written.rename(staging / f"export-{fmt}")
-    for path in staging.rglob("*"):
-        if path.is_file() and path.suffix in (".json", ".yaml", ".md"):
-            path.write_text(_scrub(path.read_text(encoding="utf-8"), checkpoint))
-    return staging
-
-
-def _scrub(text: str, checkpoint: Path) -> str:
-    """`text` with no absolute local path: the checkpoint's own becomes relative to it (.), any other
-    absolute path that exists here its last part, the home directory ~."""
-    import re
-
-    root = str(checkpoint.resolve())
-    text = text.replace(root + "/", "./").replace(root, ".")
-
-    def local(match):
-        found = match.group(0)
-        return Path(found).name if Path(found).exists() and found != "/" else found
-
-    text = re.sub(r"(?<![\w.~])/(?:[\w.+-]+/)*[\w.+-]+", local, text)
-    return text.replace(str(Path.home()), "~")
-
-
-class Drafter:
-    """Loading a drafter the way Hub users expect."""
-
-    @staticmethod
-    def from_pretrained(path_or_repo: str | Path, target=None, dtype: str = "auto", device: str = "auto",
-                        revision: str | None = None):
-        """A drafter from a checkpoint directory or a Hub repository holding one (`draftsmith push`), on
-        its target: `target` if given (checked against the checkpoint's identity), else the one the
-        checkpoint names."""
-        from draftsmith.heads.device import resolve_device
-        from draftsmith.heads.drafter import checkpoint_target, load_drafter
-
-        directory = Path(path_or_repo).expanduser()
-        if not directory.is_dir():
-            directory = _snapshot(str(path_or_repo), revision)
-        config = read_config(directory)
-        if target is None:
-            target = checkpoint_target(config, dtype, resolve_device(device))
-        return load_drafter(directory, target)
-
-
-def _snapshot(repo_id: str, revision: str | None) -> Path:
-    from huggingface_hub import snapshot_download
-
-    if not looks_like_hub_id(repo_id):
-        raise FileNotFoundError(f"'{repo_id}' is neither a checkpoint directory nor a Hub repository id (owner/name)")
-    try:
-        return Path(snapshot_download(repo_id, revision=revision,
-                                      allow_patterns=[*PUSHED[:5], "adapter/*", "medusa2.json"]))
-    except Exception as err:  # noqa: BLE001 - offline, missing, private: one message with the cause
-        raise FileNotFoundError(f"drafter '{repo_id}' could not be fetched from the Hugging Face Hub "
-                                f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}); "
-                                "give a local checkpoint directory, or check the id, the network and HF_TOKEN") from None
+def pushed_files() -> tuple[str, ...]:
+    """What a pushed folder holds of a checkpoint: PUSHED, and the files drafters keep beside their weights
+    (`checkpoint_files`: Medusa-2's state)."""
+    extra = sorted({name for cls in registry().values() for name in cls.checkpoint_files})
+    return PUSHED + tuple(extra)

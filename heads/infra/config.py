@@ -8,8 +8,11 @@ stay in each dataclass's `__post_init__`.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
+import textwrap
 import types
 import typing
 
@@ -118,11 +121,6 @@ def _name(annotation) -> str:
 
 def field_help(cls) -> dict[str, str]:
     """Each dataclass field's help: the string written under it in the class body (its bases' too)."""
-    import ast
-    import dataclasses
-    import inspect
-    import textwrap
-
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):

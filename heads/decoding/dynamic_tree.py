@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import DraftTree
+from draftsmith.heads.decoding.tree import DraftTree
 
 
 @dataclass

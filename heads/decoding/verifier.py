@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .acceptance import accept
-from .contract import Proposer
-from .device import synchronize
-from .drafter import DraftContext
-from .sampling import next_token
-from .target import Target
-from .tree import DraftTree
+from draftsmith.heads.contract import Proposer
+from draftsmith.heads.decoding.acceptance import accept
+from draftsmith.heads.decoding.sampling import next_token
+from draftsmith.heads.decoding.tree import DraftTree
+from draftsmith.heads.drafter import DraftContext
+from draftsmith.heads.infra.device import synchronize
+from draftsmith.heads.runtime.target import Target
 
 EMPTY_TREE = DraftTree(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long))
 
@@ -82,7 +82,7 @@ def decode(target: Target, prompt: list[int], max_new_tokens: int, drafter: Prop
         new_tokens = [int(tree.tokens[c]) for c in verdict.path] + [verdict.bonus]
         result.accepted.append(len(verdict.path))
         if drafter is not None:
-            drafter.observe(verdict.path)          # drafters that count what was accepted (heads/lookup.py)
+            drafter.observe(verdict.path)          # drafters that count what was accepted (heads/decoding/lookup.py)
         for token in new_tokens:
             result.tokens.append(token)
             if token in stops or len(result.tokens) >= max_new_tokens:

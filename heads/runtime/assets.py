@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
 from pathlib import Path
+
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from draftsmith.heads.infra.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +77,7 @@ def resolve_target_path(path: str, trust_remote_code: bool = False) -> tuple[Pat
     if looks_like_hub_id(path):
         # A hub id: only the local cache is looked at (no network at run time).
         try:
-            from huggingface_hub import snapshot_download
+            from huggingface_hub import snapshot_download  # only for a hub id, never offline
             local = snapshot_download(path, local_files_only=True)
             return Path(local), path
         except Exception as err:  # noqa: BLE001 - any hub failure means "not cached"
@@ -90,10 +96,6 @@ def gguf_sha256(gguf_path: Path) -> str:
 
     The conversion is keyed by content, not by path: every virtual environment installs its own copy
     of the embedded target, and a path key converted (and stored, 540 MB each) once per environment."""
-    import json
-
-    from .files import write_atomic
-
     stat = gguf_path.stat()
     seen = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     index_file = cache_root() / "targets" / "gguf-sha256.json"
@@ -118,13 +120,10 @@ def gguf_sha256(gguf_path: Path) -> str:
 
 def convert_gguf(gguf_path: Path, name: str) -> Path:
     """Convert a GGUF file once into a Hugging Face checkpoint directory; return that directory."""
-    import transformers
-
     key = hashlib.sha1(f"{gguf_sha256(gguf_path)}:{transformers.__version__}".encode()).hexdigest()[:12]
     out = cache_root() / "targets" / f"{name}-{key}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.warning("converting %s to a Hugging Face checkpoint in %s (once)", gguf_path, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import probabilities, sample
-from .tree import DraftTree
+from draftsmith.heads.decoding.sampling import probabilities, sample
+from draftsmith.heads.decoding.tree import DraftTree
 
 
 @dataclass

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jinja2.sandbox
+
 PLAIN = "none"      # target.chat_template: none renders turns as plain text (base models)
 PLAIN_SEPARATOR = "\n\n"
 
@@ -37,7 +39,6 @@ def template_text(template: str, where: str = "target.chat_template") -> str:
         if not any(mark in source for mark in TEMPLATE_SYNTAX):
             raise TemplateError(f"{where} {origin} holds no template syntax ({{{{ or {{%): it would render every "
                                 "prompt as its text; give a Jinja chat template")
-    import jinja2.sandbox
 
     try:
         jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(source)

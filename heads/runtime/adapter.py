@@ -19,9 +19,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from peft import PeftModel
 from torch import nn
 
-from .files import sha256_file
+from draftsmith.heads.infra.files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,6 @@ class Adapter:
 
     def apply(self, model: nn.Module, target_name: str) -> nn.Module:
         """The model with the adapter on it: merged into the weights, or as peft LoRA layers."""
-        from peft import PeftModel
-
         try:
             adapted = PeftModel.from_pretrained(model, str(self.path), is_trainable=False)
         except (RuntimeError, ValueError, KeyError) as err:      # size mismatches, modules not found

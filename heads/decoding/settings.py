@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .config import ConfigError
+from draftsmith.heads.infra.config import ConfigError
+from draftsmith.heads.infra.device import DeviceError, check_device_map, resolve_device
 
 PROPOSALS = ("default", "chain", "tree")
 RULES = ("auto", "greedy", "sampling", "typical")
@@ -29,7 +30,7 @@ class EvalSettings:
     """Nodes of the static tree for proposal=tree (>= 1; default: tuned to the measured forward cost)."""
     lookup: int = 0
     """Also propose up to this many tokens copied from the context each step (prompt lookup), merged into
-    the drafter's tree and verified in the same forward (0 = off; heads/lookup.py)."""
+    the drafter's tree and verified in the same forward (0 = off; heads/decoding/lookup.py)."""
     lookup_ngram: int = 3
     """The longest n-gram the lookup matches (it tries n down to 1)."""
     temperature: float = 0.0
@@ -80,7 +81,6 @@ class EvalSettings:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"eval.{name} must be one of {', '.join(allowed)}, got '{getattr(self, name)}'")
         if self.device_map is not None:
-            from draftsmith.heads.device import DeviceError, check_device_map
             try:
                 check_device_map(self.device_map)
             except DeviceError as err:
@@ -102,7 +102,6 @@ class EvalSettings:
         for name in ("cost_per_hour", "max_minutes"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"eval.{name} must be > 0 (or left out), got {getattr(self, name)}")
-        from draftsmith.heads.device import DeviceError, resolve_device
         try:
             resolve_device(self.device)
         except DeviceError as err:

@@ -12,7 +12,7 @@ of the tree at the same place reuses that node), so one target forward
 verifies both, and the walk of the acceptance rule takes whichever agrees
 with the target.  Every node is a deterministic proposal, so greedy output
 stays plain greedy output and rejection sampling stays lossless (each
-sibling is tried with the point-mass rule, heads/acceptance.py).  A drafter
+sibling is tried with the point-mass rule, heads/decoding/acceptance.py).  A drafter
 that samples its chain (it returns `draft_probs`) is left unmerged: its
 acceptance test needs the distribution each node was drawn from.
 """
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .drafter import DraftContext
-from .tree import DraftTree
+from draftsmith.heads.decoding.tree import DraftTree
+from draftsmith.heads.drafter import DraftContext
 
 
 def lookup(history: list[int], length: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:

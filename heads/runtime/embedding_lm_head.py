@@ -1,4 +1,4 @@
-"""A target without its layers: the embedding and the output head, read straight from the
+"""A target without its decoder layers: the embedding and the output head, read straight from the
 safetensors files, for work that never runs the target's layers.
 
 Training from the feature cache reads cached hidden states and needs the target only to turn the
@@ -20,9 +20,11 @@ import logging
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from .target import Target, TargetIdentity, _text_config, _weights_hash
+from draftsmith.heads.runtime.identity import TargetIdentity, text_config, weights_hash
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +36,6 @@ def weight_files(model_dir: Path) -> dict[str, Path] | None:
         return {k: model_dir / v for k, v in json.loads(index.read_text())["weight_map"].items()}
     single = model_dir / "model.safetensors"
     if single.is_file():
-        from safetensors import safe_open
         with safe_open(str(single), "pt") as f:
             return {k: single for k in f.keys()}
     return None
@@ -60,13 +61,10 @@ def _sampled_values(handle, name: str, shape: tuple[int, ...], samples: int = 25
     return torch.stack(values)
 
 
-def load_heads(model_dir: Path, name: str, dtype: torch.dtype, device: torch.device,
-               trust_remote_code: bool = False) -> Target | None:
-    """The target with only its embedding and lm_head in memory, or None when its files do not allow
-    it (then load the whole target)."""
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
+def load_embedding_and_lm_head(model_dir: Path, name: str, dtype: torch.dtype, device: torch.device,
+                               trust_remote_code: bool = False) -> tuple | None:
+    """(model, tokenizer, name, identity) with only the embedding and lm_head in memory (the rest on the
+    meta device), or None when its files do not allow it (then load the whole target)."""
     files = weight_files(Path(model_dir))
     if files is None:
         return None
@@ -91,14 +89,11 @@ def load_heads(model_dir: Path, name: str, dtype: torch.dtype, device: torch.dev
     if tied:
         head.weight = embed.weight
     if (Path(model_dir) / "generation_config.json").is_file():     # its end-of-turn ids, as from_pretrained reads them
-        from transformers import GenerationConfig
         model.generation_config = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code, local_files_only=True)
-    text = _text_config(model)
+    text = text_config(model)
     identity = TargetIdentity(
         name=name, model_type=str(text.model_type), vocab_size=int(head.weight.shape[0]),
         hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),
-        weights_sha256=_weights_hash(embed.weight, head.weight), layers_sha256=digest.hexdigest()[:16])
-    target = Target(model, tokenizer, name, identity)
-    target.layers_loaded = False
-    return target
+        weights_sha256=weights_hash(embed.weight, head.weight), layers_sha256=digest.hexdigest()[:16])
+    return model, tokenizer, name, identity

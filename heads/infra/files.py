@@ -8,10 +8,15 @@ check a destination before any work is done.
 from __future__ import annotations
 
 import errno
+import fcntl
+import hashlib
 import os
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
+
+from safetensors.torch import save_file
 
 
 class StorageError(OSError):
@@ -42,8 +47,6 @@ def keep_report(write, destination: Path, what: str, text, is_file: bool = False
     """`write(destination)` a report; when that fails (a full disk, a vanished directory) the report is
     written to a fresh temporary directory instead, or else `text()` is printed, and the error (one line)
     says where it went: a measured report is never lost."""
-    import tempfile
-
     destination = Path(destination)
     try:
         write(destination)
@@ -63,8 +66,6 @@ def keep_report(write, destination: Path, what: str, text, is_file: bool = False
 
 def save_tensors_atomic(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
     """safetensors' save_file, through a temporary file and a rename."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
@@ -153,8 +154,6 @@ def human_size(n: float) -> str:
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
-    import hashlib
-
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -183,8 +182,6 @@ class DirectoryLock:
         self.directory, self.what = Path(directory), what
 
     def __enter__(self):
-        import fcntl
-
         self.directory.mkdir(parents=True, exist_ok=True)
         key = str(self.directory.resolve())
         if key in _HELD:

@@ -9,6 +9,7 @@ section 2.3.2).  A chain is the tree in which every node has one child.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass
 
@@ -55,10 +56,6 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
         if p >= 0:
             mask[i + 1] |= mask[p + 1]
     return mask
-
-
-def chain_parents(length: int) -> torch.Tensor:
-    return torch.arange(length) - 1
 
 
 @dataclass
@@ -109,8 +106,6 @@ class TreeShape:
         the best tree of a given size takes the paths with the largest products.
         Every path's prefixes have larger products, so the result is prefix-closed.
         """
-        import heapq
-
         heap = [(-rate, (rank,)) for rank, rate in enumerate(topk_accuracy[0])]
         heapq.heapify(heap)
         chosen = []
