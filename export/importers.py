@@ -111,8 +111,6 @@ def _reader(source: Path, config: dict, fmt: str) -> ExportFormat:
 def import_drafter(source: str | Path, fmt: str, target: Target):
     """The drafter an export in `fmt` holds, built for `target` (weights checked name by name)."""
     source = Path(source)
-    if fmt not in import_formats():
-        raise ImportError_(f"unknown format '{fmt}': draftsmith imports {', '.join(import_formats())}")
     config = read_export_config(source)
     confirmed = check_format(source, config, fmt)
     reader = _reader(source, config, fmt)

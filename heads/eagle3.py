@@ -372,21 +372,13 @@ def _reads(fmt: str):
     return lambda config, weights, target, confirmed=False: _read(config, weights, target, fmt, confirmed)
 
 
-def _carries_embedding(config: dict) -> bool:
-    return True
-
-
 Eagle3.formats = (
     ExportFormat("vllm", _write_vllm, lambda c: _serve(c, "vllm"), read=_reads("vllm"), recognizes=recognizes,
-                 method="eagle3", describes="vLLM `LlamaForCausalLMEagle3`"),
+                 method="eagle3"),
     ExportFormat("speculators", _write_speculators, lambda c: _serve(c, "speculators"), read=_reads("speculators"),
-                 rules=((r"^midlayer\.", "layers.0."),), recognizes=recognizes,
-                 describes="vLLM's speculators config (`speculators_model_type: eagle3`)"),
+                 rules=((r"^midlayer\.", "layers.0."),), recognizes=recognizes),
     ExportFormat("sglang", _write_sglang, lambda c: _serve(c, "sglang"), read=_reads("sglang"), recognizes=recognizes,
-                 needs_target=_carries_embedding,
-                 describes="`LlamaForCausalLMEagle3` with SGLang's layer-id convention"),
-    ExportFormat("trtllm", _write_trtllm, lambda c: _serve(c, "trtllm"), read=_reads("trtllm"), recognizes=recognizes,
-                 describes="the Hugging Face EAGLE-3 layout TensorRT-LLM and Model Optimizer load"),
-    ExportFormat("eagle", None, None, read=_reads("eagle"), recognizes=recognizes,
-                 describes="the EAGLE repository's EAGLE-3 layout (read only)"),
+                 needs_target=lambda c: True),          # it carries the target's embedding
+    ExportFormat("trtllm", _write_trtllm, lambda c: _serve(c, "trtllm"), read=_reads("trtllm"), recognizes=recognizes),
+    ExportFormat("eagle", None, None, read=_reads("eagle"), recognizes=recognizes),
 )

@@ -54,7 +54,6 @@ class ExportFormat:
     method: str = ""               # the stack's speculative method name (`bench --engine vllm` serves it)
     refuses: Callable[[dict, str], str | None] = lambda config, version: None   # why a stack version cannot
     weights_file: str = ""         # the one file a reader takes ("": every .safetensors of the export)
-    describes: str = ""            # what it is, in one line (docs/formats.md lists every declared format)
 
 
 def formats_of(kind: str) -> dict[str, ExportFormat]:

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -61,10 +62,18 @@ def _sampled_values(handle, name: str, shape: tuple[int, ...], samples: int = 25
     return torch.stack(values)
 
 
+class Loaded(NamedTuple):
+    """A causal LM built on the meta device but for its embedding and lm_head, with what Target needs."""
+
+    model: nn.Module
+    tokenizer: object
+    identity: TargetIdentity
+
+
 def load_embedding_and_lm_head(model_dir: Path, name: str, dtype: torch.dtype, device: torch.device,
-                               trust_remote_code: bool = False) -> tuple | None:
-    """(model, tokenizer, name, identity) with only the embedding and lm_head in memory (the rest on the
-    meta device), or None when its files do not allow it (then load the whole target)."""
+                               trust_remote_code: bool = False) -> Loaded | None:
+    """The model with only its embedding and lm_head in memory (the rest on the meta device), its tokenizer
+    and identity; or None when its files do not allow it (then load the whole target)."""
     files = weight_files(Path(model_dir))
     if files is None:
         return None
@@ -96,4 +105,4 @@ def load_embedding_and_lm_head(model_dir: Path, name: str, dtype: torch.dtype, d
         name=name, model_type=str(text.model_type), vocab_size=int(head.weight.shape[0]),
         hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),
         weights_sha256=weights_hash(embed.weight, head.weight), layers_sha256=digest.hexdigest()[:16])
-    return model, tokenizer, name, identity
+    return Loaded(model, tokenizer, identity)

@@ -120,9 +120,9 @@ class Target:
         device_map = check_device_map(device_map)
         if not layers and lora is None:
             heads_dtype = torch.float32 if torch_dtype == torch.float16 and device.type == "cpu" else torch_dtype
-            parts = load_embedding_and_lm_head(Path(model_dir), name, heads_dtype, device, trust_remote_code)
-            if parts is not None:
-                target = cls(*parts)
+            loaded = load_embedding_and_lm_head(Path(model_dir), name, heads_dtype, device, trust_remote_code)
+            if loaded is not None:
+                target = cls(loaded.model, loaded.tokenizer, name, loaded.identity)
                 target.layers_loaded = False
                 target.source = path if not Path(path).expanduser().exists() else str(Path(path).expanduser().resolve())
                 target.set_chat(chat)
