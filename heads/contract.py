@@ -111,6 +111,8 @@ class DrafterBase(nn.Module):
     checkpoint_marker: ClassVar[str | None] = None     # a config.json key that tells this class's checkpoints apart
     checkpoint_files: ClassVar[tuple[str, ...]] = ()   # files it writes beside its weights (pushed with them)
     trains_target_adapter: ClassVar[bool] = False
+    warm_starts_from: ClassVar[tuple[str, ...]] = ()   # other kinds drafter.init_from may name (P-EAGLE: eagle3)
+    new_on_warm_start: ClassVar[tuple[str, ...]] = ()  # tensors such a checkpoint lacks, kept at their fresh start
     static_tree: ClassVar[bool] = False
     dynamic_tree: ClassVar[bool] = False           # neither: it drafts a chain (set_proposal(chain=...))
     data_is_target_greedy = False

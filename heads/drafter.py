@@ -228,7 +228,7 @@ def warm_start(drafter, directory: str | Path) -> None:
     directory = Path(directory)
     config = read_config(directory)
     kind = drafter.checkpoint_kind
-    if config["kind"] != kind:
+    if config["kind"] != kind and config["kind"] not in drafter.warm_starts_from:
         raise CheckpointError(f"drafter.init_from '{directory}' holds a {config['kind']} drafter; this recipe trains "
                               f"a {drafter.kind}")
     identity = TargetIdentity.from_dict(config["target"])
@@ -237,10 +237,11 @@ def warm_start(drafter, directory: str | Path) -> None:
     state, own = read_weights(directory, config), drafter.state_dict()
     differ = [f"{k}: {tuple(state[k].shape)} there, {tuple(own[k].shape)} here" for k in own
               if k in state and state[k].shape != own[k].shape]
-    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    missing = sorted(set(own) - set(state) - set(drafter.new_on_warm_start if config["kind"] != kind else ()))
+    extra = sorted(set(state) - set(own))
     if differ or missing or extra:
         raise CheckpointError(f"drafter.init_from '{directory}' does not fit this recipe's drafter ("
                               + "; ".join(differ[:4] + [f"missing {missing[:4]}"] * bool(missing)
                                           + [f"not in this drafter {extra[:4]}"] * bool(extra))
                               + "): give the drafter section the checkpoint's settings (draftsmith show)")
-    drafter.load_state_dict({k: state[k] for k in own}, strict=False)
+    drafter.load_state_dict({k: state[k] for k in own if k in state}, strict=False)

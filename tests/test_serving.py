@@ -30,7 +30,8 @@ pytestmark = pytest.mark.serving
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VERSION = "0.32.0"
 MAX_TOKENS = 48
-CHAIN = {"medusa": 3, "eagle3": 3}
+CHAIN = {"medusa": 3, "eagle3": 3, "p_eagle": 3}
+METHOD = {"p_eagle": ("eagle3", "--parallel-drafting")}   # how vLLM names a kind that is not its method
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -108,7 +109,8 @@ def vllm_plain(vllm_python, target, prompts, tmp_path_factory):
     return serve(vllm_python, prompts[1], tmp_path_factory.mktemp("plain") / "plain.json")
 
 
-@pytest.mark.parametrize("method, fmt", [("medusa", "vllm"), ("eagle3", "vllm"), ("eagle3", "speculators")])
+@pytest.mark.parametrize("method, fmt", [("medusa", "vllm"), ("eagle3", "vllm"), ("eagle3", "speculators"),
+                                         ("p_eagle", "vllm"), ("p_eagle", "speculators")])
 def test_vllm_serves_the_export_and_accepts_what_draftsmith_measures(
         method, fmt, default_run, vllm_python, vllm_plain, target, prompts, tmp_path):
     checkpoint = default_run[method]
@@ -116,8 +118,8 @@ def test_vllm_serves_the_export_and_accepts_what_draftsmith_measures(
     if fmt == "speculators":      # the export names its verifier and chain length; vLLM serves it directly
         served = serve(vllm_python, prompts[1], tmp_path / "spec.json", model=exported)
     else:
-        served = serve(vllm_python, prompts[1], tmp_path / "spec.json", "--method", method, "--drafter",
-                       str(exported), "--num-speculative-tokens", str(CHAIN[method]))
+        served = serve(vllm_python, prompts[1], tmp_path / "spec.json", "--method", *METHOD.get(method, (method,)),
+                       "--drafter", str(exported), "--num-speculative-tokens", str(CHAIN[method]))
     assert served["tokens"] == vllm_plain["tokens"], "vLLM's output changed when the drafter was added"
 
     drafter = load_drafter(checkpoint, target)
@@ -196,13 +198,13 @@ def test_vllm_data_backend_writes_what_the_transformers_backend_writes(vllm_pyth
 
 
 def test_bench_through_vllm_at_two_load_levels_keeps_greedy_text(default_run, vllm_python, tmp_path):
-    """`draftsmith bench --engine vllm` on the default target with a trained EAGLE-3 export: both load
+    """`draftsmith bench --engine vllm` on the default target with a trained P-EAGLE export (parallel drafting): both load
     levels reported, per-level acceptance from vLLM's counters, and greedy fp32 text identical with and
     without the drafter at each level."""
     from draftsmith.cli import main
 
     out = tmp_path / "bench"
-    argv = ["bench", str(default_run["eagle3"]), "--engine", "vllm", "--vllm-python", vllm_python,
+    argv = ["bench", str(default_run["p_eagle"]), "--engine", "vllm", "--vllm-python", vllm_python,
             "--concurrency", "1,4", "--prompts", "mt-bench", "--limit", "1", "--repeats", "1",
             "--max-new-tokens", "24", "--dtype", "float32", "--out", str(out)]
     assert main(argv) == 0
@@ -216,6 +218,11 @@ def test_bench_through_vllm_at_two_load_levels_keeps_greedy_text(default_run, vl
         assert groups["all"]["speculative"]["tokens_per_s_batch"] > 0
     assert (out / "speedup-by-concurrency.png").is_file()
     assert "concurrency 4" in report["recommendation"]
+    chosen = report["serving_config"]                  # what the sweep supports, in vLLM's own terms
+    assert "batch 1:" in chosen["why"] and "batch 4:" in chosen["why"]
+    if chosen["speculative_config"]:
+        assert chosen["speculative_config"]["parallel_drafting"] is True
+    assert "measured vLLM speculative_config" in (out / "report.md").read_text()
 
 
 def test_bench_against_vllm_ngram_times_the_drafter_against_the_free_one(default_run, vllm_python, tmp_path):
