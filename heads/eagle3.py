@@ -36,7 +36,7 @@ from draftsmith.heads.eagle_layer import DraftLayer, RMSNorm, Rotary, layer_layo
 from draftsmith.heads.formats import ExportError, ExportFormat, ImportFormatError, fill, output_convention, readme
 from draftsmith.heads.registry import register
 from draftsmith.heads.runtime.target import Target
-from draftsmith.heads.soft_loss import soft_cross_entropy
+from draftsmith.heads.soft_loss import LOSSES, acceptance_loss
 
 
 @dataclass
@@ -67,6 +67,9 @@ class Eagle3Config:
     """Start the draft layer's attention and MLP from the target's last decoder layer (where shapes allow)."""
     tree: dict = field(default_factory=lambda: {"depth": 5, "top_k": 8, "total_tokens": 32})
     """Default dynamic tree (EAGLE-2) for decoding: depth, top_k, total_tokens."""
+    loss: str = "soft_ce"
+    """The distillation loss against the target's distribution: soft_ce (soft cross-entropy), tv (total
+    variation, one minus the acceptance probability) or lk (minus its log); heads/soft_loss.py."""
     init_from: str | None = None
     """Warm start: a draftsmith checkpoint of this kind for this target (e.g. one `draftsmith import`
     made from a published drafter) whose weights training starts from; null = a fresh drafter."""
@@ -77,6 +80,8 @@ class Eagle3Config:
         if self.layer_ids is not None and len(self.layer_ids) != 3:
             raise ValueError(f"drafter.layer_ids must name 3 target layers, got {self.layer_ids}")
         TreeSettings(**self.tree)
+        if self.loss not in LOSSES:
+            raise ValueError(f"drafter.loss must be one of {', '.join(LOSSES)}, got '{self.loss}'")
 
 
 @register("eagle3")
@@ -237,7 +242,7 @@ class Eagle3(EagleDecoding, DrafterBase):
             scored = at >= 0                # may be all False: the loss stays connected to every weight anyway
             mine = hidden[target.rows, at.clamp(min=0)]                                  # [m, H]
             weight = (scored & target.in_vocab).float()
-            per_position, guess = soft_cross_entropy(self.logits(mine), target.probs, weight)
+            per_position, guess = acceptance_loss(self.logits(mine), target.probs, weight, self.config.loss)
             total = total + (self.config.loss_decay ** step) * divide(per_position.sum(), denominators[step])
             correct[step] = ((guess == target.top) & scored & target.in_vocab).sum()
             counted[step] = scored.sum()

@@ -105,3 +105,27 @@ def hard_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
         weight = torch.ones(logits.shape[0], device=logits.device)
     work = torch.promote_types(logits.dtype, torch.float32)
     return _HardCrossEntropy.apply(logits, labels.long(), weight.detach().to(work))
+
+
+LOSSES = ("soft_ce", "tv", "lk")
+
+
+def acceptance_loss(logits: torch.Tensor, probs: torch.Tensor, weight: torch.Tensor | None,
+                    kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance-shaped losses, as soft_cross_entropy returns (per-row loss [m] fp32, argmax [m]).
+
+    With q the drafter's distribution and p the target's, a draft drawn from q is accepted with probability
+    a = sum_x min(p(x), q(x)) = 1 - TV(p, q).  `tv`: 1 - a (the total variation distance); `lk`: -log a
+    (the log-likelihood of acceptance, steeper where acceptance is low).  `soft_ce`: -sum p log q.  The two
+    acceptance losses hold one fp32 [m, v] softmax (soft_ce streams in chunks instead)."""
+    if kind == "soft_ce":
+        return soft_cross_entropy(logits, probs, weight)
+    if kind not in LOSSES:
+        raise ValueError(f"drafter.loss must be one of {', '.join(LOSSES)}, got '{kind}'")
+    if weight is None:
+        weight = torch.ones(logits.shape[0], device=logits.device)
+    with torch.autocast(logits.device.type, enabled=False):
+        q = torch.softmax(logits.float(), dim=-1)
+        accepted = torch.minimum(q, probs.detach().float()).sum(-1)
+        per_row = 1 - accepted if kind == "tv" else -torch.log(accepted.clamp_min(1e-6))
+    return per_row * weight.detach().float(), logits.detach().argmax(-1)

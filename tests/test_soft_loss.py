@@ -129,3 +129,45 @@ def test_fused_hard_cross_entropy_passes_gradcheck():
     labels = torch.randint(0, 9, (6,))
     weight = torch.rand(6, dtype=torch.float64)
     assert torch.autograd.gradcheck(lambda z: hard_cross_entropy(z, labels, weight)[0], (logits,))
+
+
+def test_acceptance_losses_are_one_minus_and_minus_log_of_the_acceptance_probability():
+    from draftsmith.heads.soft_loss import acceptance_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 7, requires_grad=True)
+    p = torch.softmax(torch.randn(5, 7), dim=-1)
+    accepted = torch.minimum(torch.softmax(logits, -1), p).sum(-1)
+    tv, top = acceptance_loss(logits, p, None, "tv")
+    lk, _ = acceptance_loss(logits, p, torch.ones(5), "lk")
+    assert torch.allclose(tv, 1 - accepted) and torch.allclose(lk, -accepted.log())
+    assert torch.allclose(tv, 0.5 * (torch.softmax(logits, -1) - p).abs().sum(-1))     # the TV distance
+    assert torch.equal(top, logits.argmax(-1))
+    lk.sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+    same, _ = acceptance_loss(p.log(), p, None, "tv")
+    assert same.abs().max() < 1e-6                                   # q = p: every draft accepted
+    with pytest.raises(ValueError, match="drafter.loss must be one of soft_ce, tv, lk"):
+        acceptance_loss(logits, p, None, "kl")
+
+
+@pytest.mark.parametrize("loss", ["tv", "lk"])
+def test_an_eagle3_drafter_trains_with_an_acceptance_loss(tiny_target, loss):
+    from draftsmith.heads.eagle3 import Eagle3, Eagle3Config
+
+    torch.manual_seed(0)
+    drafter = Eagle3(Eagle3Config(layer_ids=[0, 1, 2], draft_vocab_size=None, ttt_steps=2, loss=loss), tiny_target)
+    ids = torch.randint(6, tiny_target.vocab_size, (2, 12))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    batch["features"] = tiny_target.features(ids, batch["attention_mask"], drafter.required_layers)
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    first = None
+    for _ in range(15):
+        optimizer.zero_grad()
+        out = drafter.loss(batch).loss
+        first = float(out) if first is None else first
+        out.backward()
+        optimizer.step()
+    assert float(drafter.loss(batch).loss) < first
+    with pytest.raises(ValueError, match="drafter.loss"):
+        Eagle3Config(loss="mse")
