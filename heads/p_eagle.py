@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.heads.decoding.dynamic_tree import TreeSettings
-from draftsmith.heads.decoding.tree import DraftTree
+from draftsmith.heads.decoding.parallel import parallel_tree
 from draftsmith.heads.drafter import DraftContext
 from draftsmith.heads.eagle3 import Eagle3, Eagle3Config, read_eagle3
 from draftsmith.heads.eagle3_layout import is_parallel
@@ -156,26 +156,9 @@ class PEagle(Eagle3):
         return self.logits(out[m - 1:])
 
     @torch.no_grad()
-    def propose(self, context: DraftContext) -> DraftTree:
+    def propose(self, context: DraftContext):
         logprobs = torch.log_softmax(self.draft_logits(context).float(), dim=-1)
         return parallel_tree(logprobs, self.tree, self.draft_to_target)
-
-
-def parallel_tree(logprobs: torch.Tensor, settings: TreeSettings, draft_to_target: torch.Tensor) -> DraftTree:
-    """logprobs [K, v] of K independently drafted positions -> the chain of their argmaxes with, at each
-    depth, the next top_k-1 candidates as leaves under the chain's previous node; the best total_tokens
-    nodes by cumulative log-probability (a chain node always outranks the alternatives below it)."""
-    K = logprobs.shape[0]
-    k = min(settings.top_k, logprobs.shape[-1])
-    top = logprobs.topk(k, dim=-1)                                                     # [K, k]
-    before = F.pad(top.values[:, 0].cumsum(0), (1, 0))[:K]                             # chain score up to d-1
-    scores = (before[:, None] + top.values).flatten()                                  # [K * k], (depth, rank)
-    order = sorted(range(K * k), key=lambda i: (-float(scores[i]), i // k, i % k))
-    kept = sorted(order[: settings.total_tokens])
-    index = {node: n for n, node in enumerate(kept)}
-    parents = [-1 if node // k == 0 else index[(node // k - 1) * k] for node in kept]
-    tokens = top.indices.flatten()[torch.tensor(kept)]
-    return DraftTree(tokens=draft_to_target[tokens].cpu(), parents=torch.tensor(parents, dtype=torch.long))
 
 
 # -- serving formats: EAGLE-3's Llama layout plus mask_hidden and the mask token -----------------------

@@ -151,6 +151,8 @@ def default_run(tmp_path_factory):
                                          "tree": {"depth": 3, "top_k": 1, "total_tokens": 3}}),
                             ("p_eagle", {"layer_ids": [2, 15, 27], "draft_vocab_size": 2048, "ttt_steps": 3,
                                          "tree": {"depth": 3, "top_k": 1, "total_tokens": 3}}),
+                            ("dflash", {"layer_ids": [2, 15, 27], "draft_vocab_size": 2048, "block_size": 4,
+                                        "tree": {"depth": 3, "top_k": 1, "total_tokens": 3}}),
                             ("medusa", medusa),
                             ("medusa2", {**medusa, "lora_r": 8, "lora_alpha": 16, "heads_only_steps": 5,
                                          "ramp_steps": 5})):

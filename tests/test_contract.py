@@ -7,7 +7,7 @@ from draftsmith.heads.drafter import describe
 from draftsmith.heads.formats import layout, names
 from draftsmith.heads.registry import registry
 
-SHIPPED = ("medusa", "medusa2", "eagle", "eagle3", "p_eagle")       # a drafter added to heads/ must get a row in SETTINGS
+SHIPPED = ("medusa", "medusa2", "eagle", "eagle3", "p_eagle", "dflash")       # a drafter added to heads/ must get a row in SETTINGS
 
 SETTINGS = {"medusa": [{"num_heads": 2}, {"num_heads": 3, "lm_head": "own", "num_layers": 2, "draft_vocab_size": 24},
                        {"num_heads": 2, "conditioning": "path"}],
@@ -15,7 +15,9 @@ SETTINGS = {"medusa": [{"num_heads": 2}, {"num_heads": 3, "lm_head": "own", "num
             "eagle": [{}, {"draft_vocab_size": 30}],
             "eagle3": [{"layer_ids": [1, 1, 2], "draft_vocab_size": 40}, {"draft_vocab_size": None}],
             "p_eagle": [{"layer_ids": [1, 1, 2], "draft_vocab_size": 40, "ttt_steps": 3,
-                         "tree": {"depth": 3, "top_k": 2, "total_tokens": 5}}]}
+                         "tree": {"depth": 3, "top_k": 2, "total_tokens": 5}}],
+            "dflash": [{"layer_ids": [1, 2], "draft_vocab_size": 40, "num_layers": 2},
+                       {"draft_vocab_size": None, "block_size": 3, "tree": {"depth": 2, "top_k": 2, "total_tokens": 4}}]}
 
 
 def cases():
@@ -64,7 +66,8 @@ def test_format_names_are_one_to_one_and_cover_the_layout(tiny_target, kind, fmt
     cls = registry()[kind]
     settings = {"medusa": {"num_heads": 3, "num_layers": 2, "lm_head": "own"},
                 "eagle3": {"layer_ids": [1, 1, 2], "draft_vocab_size": 40},
-                "p_eagle": {"layer_ids": [1, 1, 2], "draft_vocab_size": 40}}[kind]
+                "p_eagle": {"layer_ids": [1, 1, 2], "draft_vocab_size": 40},
+                "dflash": {"layer_ids": [1, 2], "draft_vocab_size": 40, "num_layers": 2}}[kind]
     config = describe(cls(cls.config_class(**settings), tiny_target))
     mapping = names(config, fmt)
     assert len(set(mapping.values())) == len(mapping)

@@ -11,7 +11,8 @@ from draftsmith.heads.decoding.dynamic_tree import TreeSettings
 from draftsmith.heads.decoding.verifier import decode
 from draftsmith.heads.drafter import DraftContext, load_drafter, save_drafter, warm_start
 from draftsmith.heads.eagle3 import Eagle3, Eagle3Config
-from draftsmith.heads.p_eagle import PEagle, PEagleConfig, parallel_tree
+from draftsmith.heads.decoding.parallel import parallel_tree
+from draftsmith.heads.p_eagle import PEagle, PEagleConfig
 
 
 def drafter_for(target, seed=0, vocab=None, **config):

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.serving
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VERSION = "0.32.0"
 MAX_TOKENS = 48
-CHAIN = {"medusa": 3, "eagle3": 3, "p_eagle": 3}
+CHAIN = {"medusa": 3, "eagle3": 3, "p_eagle": 3, "dflash": 3}
 METHOD = {"p_eagle": ("eagle3", "--parallel-drafting")}   # how vLLM names a kind that is not its method
 
 
@@ -109,12 +109,12 @@ def vllm_plain(vllm_python, target, prompts, tmp_path_factory):
     return serve(vllm_python, prompts[1], tmp_path_factory.mktemp("plain") / "plain.json")
 
 
-# P-EAGLE's speculators export is served the same way (it passed here, tau equal to draftsmith's); it is
-# left out of the default run to keep the suite's time: its config and weights are checked by
-# tests/test_p_eagle.py, and `pytest tests/test_serving.py -k p_eagle` with SPECULATORS=1 serves it.
-FORMATS = [("medusa", "vllm"), ("eagle3", "vllm"), ("eagle3", "speculators"), ("p_eagle", "vllm")]
+# P-EAGLE's and DFlash's speculators exports are served the same way (P-EAGLE's passed, tau equal to draftsmith's); they are
+# left out of the default run to keep the suite's time: their configs and weights are checked by
+# tests/test_p_eagle.py and tests/test_dflash.py, and `pytest tests/test_serving.py -k speculators` with SPECULATORS=1 serves them.
+FORMATS = [("medusa", "vllm"), ("eagle3", "vllm"), ("eagle3", "speculators"), ("p_eagle", "vllm"), ("dflash", "vllm")]
 if os.environ.get("SPECULATORS") == "1":
-    FORMATS.append(("p_eagle", "speculators"))
+    FORMATS += [("p_eagle", "speculators"), ("dflash", "speculators")]
 
 
 @pytest.mark.parametrize("method, fmt", FORMATS)

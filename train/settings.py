@@ -247,7 +247,14 @@ def recipe_from_dict(raw: dict) -> Recipe:
         raise RecipeError(str(err)) from None
     sections = {name: _section(cls, raw.get(name), name) for name, cls in SECTIONS.items()}
     drafter = _section(kinds[method].config_class, raw.get("drafter"), "drafter")
-    return Recipe(**values, **sections, drafter=drafter)
+    recipe = Recipe(**values, **sections, drafter=drafter)
+    check = getattr(drafter, "check_recipe", None)       # a drafter setting bounded by another section's
+    if check is not None:
+        try:
+            check(recipe)
+        except ValueError as err:
+            raise RecipeError(str(err)) from None
+    return recipe
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
