@@ -67,7 +67,7 @@ class EvalReport:
     warmup: str
     sizing: str
     target_forward_ms: float           # one-token target forward (batch 1, 200 cached tokens), measured here
-    draft_step_ms: float | None        # one drafter proposal step (one drafted level), measured here
+    draft_step_ms: float | None        # one drafter step (one drafted level; a parallel drafter's whole proposal), measured here
     prompts_source: str
     dtype: str
     proposal: str

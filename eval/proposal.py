@@ -149,5 +149,6 @@ def measure_draft_step(target: Target, drafter, prompt: list[int], repeats: int 
         drafter.propose(context)
         synchronize(target.device)
         times.append(time.perf_counter() - t)
-    levels = getattr(drafter.tree, "depth", 1)            # a dynamic tree's depth; a static tree is one step
+    # a dynamic tree's depth; a static tree, or a parallel drafter's whole proposal, is one step
+    levels = 1 if getattr(drafter, "one_forward", False) else getattr(drafter.tree, "depth", 1)
     return sorted(times)[len(times) // 2] / levels

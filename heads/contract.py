@@ -115,6 +115,7 @@ class DrafterBase(nn.Module):
     new_on_warm_start: ClassVar[tuple[str, ...]] = ()  # tensors such a checkpoint lacks, kept at their fresh start
     static_tree: ClassVar[bool] = False
     dynamic_tree: ClassVar[bool] = False           # neither: it drafts a chain (set_proposal(chain=...))
+    one_forward: ClassVar[bool] = False            # a proposal of any depth is one drafter forward (P-EAGLE, DFlash)
     data_is_target_greedy = False
     gradient_checkpointing = False
 

@@ -204,6 +204,7 @@ class DFlash(DrafterBase):
     title = "DFlash drafter (block diffusion)"
     config_class = DFlashConfig
     dynamic_tree = True            # a parallel tree (config.tree), tuned by eval like EAGLE-2's
+    one_forward = True             # every depth of a proposal comes from one drafter forward
 
     def __init__(self, config: DFlashConfig, target: Target):
         super().__init__()

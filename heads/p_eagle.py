@@ -91,6 +91,7 @@ class PEagle(Eagle3):
     config_class = PEagleConfig
     warm_starts_from = ("eagle3",)          # an EAGLE-3 checkpoint has every tensor but these
     new_on_warm_start = (MASK,)
+    one_forward = True             # every depth of a proposal comes from one drafter forward
 
     def __init__(self, config: PEagleConfig, target: Target):
         super().__init__(config, target)
