@@ -203,7 +203,8 @@ def cmd_export(args) -> dict:
     from draftsmith.export import export
 
     written = export(args.checkpoint, args.to, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
-                     target_path=args.target, device=args.device, with_target=args.with_target)
+                     target_path=args.target, device=args.device, with_target=args.with_target,
+                     serving_report=args.serving_config)
     print(f"exported {args.checkpoint} as {args.to} to {written}")
     return {"out_dir": str(written)}
 
@@ -283,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the target as a Hugging Face directory in OUT_DIR/target (with its LoRA adapter "
                         "merged, if it has one): what to serve beside the drafter")
     p.add_argument("--device", default="auto", help="where the target's identity is checked (auto, cpu, cuda)")
+    p.add_argument("--serving-config", default=None, metavar="REPORT_JSON",
+                   help="a `draftsmith bench --engine vllm` report.json: the README carries the speculative_config "
+                        "it measured for this drafter")
     return parser
 
 

@@ -46,9 +46,10 @@ def check_weights(weights: dict, config: dict, where: str) -> None:
 
 def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "bfloat16",
            overwrite: bool = False, target_path: str | None = None, device: str = "auto",
-           with_target: bool = False) -> Path:
+           with_target: bool = False, serving_report: str | Path | None = None) -> Path:
     """Write `checkpoint` in format `fmt` to `out_dir` (and with_target: the target, adapter merged, in
-    out_dir/target); returns out_dir."""
+    out_dir/target); returns out_dir.  serving_report: a `draftsmith bench --engine vllm` report.json whose
+    measured speculative_config the README carries."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if fmt not in export_formats():
         raise ExportError(f"unknown export format '{fmt}'; choose one of {', '.join(export_formats())}")
@@ -70,6 +71,8 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
         raise ExportError(f"'{checkpoint}': {err}") from None
     if config.get("target_adapter") and "README.md" in files:
         files["README.md"] += adapter_note(config)
+    if serving_report is not None and "README.md" in files:
+        files["README.md"] += serving_note(serving_report, config, writer)
     tmp = out_dir.with_name(out_dir.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     size = sum(t.numel() * _dtype(dtype).itemsize for state in tensors.values() for t in state.values())
@@ -96,6 +99,37 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
         raise as_disk_full(err, tmp, "the export", "free some space or choose another directory, then export "
                            "again (nothing was written)") from None
     return out_dir
+
+
+def serving_note(report_path: str | Path, config: dict, writer) -> str:
+    """The README section with the speculative_config `bench --engine vllm` measured for this drafter."""
+    try:
+        report = json.loads(Path(report_path).read_text())
+    except (OSError, ValueError) as err:
+        raise ExportError(f"--serving-config {report_path}: cannot read it as a bench report.json ({err})") from None
+    chosen = report.get("serving_config") if isinstance(report, dict) else None
+    if not isinstance(chosen, dict):
+        raise ExportError(f"--serving-config {report_path} holds no measured serving_config: give the report.json "
+                          "that `draftsmith bench CHECKPOINT --engine vllm` writes")
+    if report.get("kind") != config["kind"]:
+        raise ExportError(f"--serving-config {report_path} measured a {report.get('kind')} drafter, not this "
+                          f"{config['kind']} checkpoint: bench this checkpoint with --engine vllm")
+    spec = dict(chosen["speculative_config"])
+    if spec and spec.get("method") != writer.method:
+        raise ExportError(f"--serving-config {report_path} measured vLLM's method {spec.get('method')}, and a "
+                          f"'{writer.name}' export is not served with that speculative_config: export --to vllm")
+    if not spec:
+        body = "Speculation lost at every load level measured: serve the target without this drafter."
+    else:
+        body = ("```bash\nvllm serve TARGET_DIR --speculative-config '"
+                + json.dumps({**spec, "model": "THIS_DIR"}) + "'\n```")
+    return f"""
+## Serving config measured by draftsmith bench
+
+From `{report_path}` ({report.get('engine', 'vLLM')}, checkpoint `{report.get('checkpoint')}`): {chosen['why']}.
+
+{body}
+"""
 
 
 def adapter_note(config: dict) -> str:

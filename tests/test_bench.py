@@ -178,3 +178,33 @@ def test_the_measured_serving_config_switches_speculation_off_where_it_lost():
         base, [level(1, 1.2), level(8, 1.1)], "plain")["speculative_config"]
     lost = measured_serving_config(base, [level(1, 0.9)], "vLLM ngram")
     assert lost["speculative_config"] == {} and "serve without it" in lost["why"] and "ngram" in lost["why"]
+
+
+def test_the_export_readme_carries_the_measured_serving_config(tiny_target, tmp_path):
+    """`export --serving-config report.json`: the README holds bench's speculative_config; a report of another
+    kind, or none, is refused before anything is written."""
+    import json
+
+    from draftsmith.eval.bench_vllm import measured_serving_config
+    from draftsmith.export import export
+    from draftsmith.heads.drafter import save_drafter
+    from draftsmith.heads.formats import ExportError
+    from draftsmith.heads.p_eagle import PEagle, PEagleConfig
+
+    save_drafter(PEagle(PEagleConfig(draft_vocab_size=40, layer_ids=[0, 1, 2]), tiny_target), tmp_path / "ckpt")
+    levels = [{"temperature": 0.0, "concurrency": c, "groups": {"all": {"speedup": s}}} for c, s in ((1, 1.2), (8, 0.9))]
+    chosen = measured_serving_config({"method": "eagle3", "num_speculative_tokens": 4, "parallel_drafting": True},
+                                     levels, "plain")
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"kind": "p_eagle", "checkpoint": str(tmp_path / "ckpt"), "serving_config": chosen}))
+    out = export(tmp_path / "ckpt", "vllm", tmp_path / "vllm", dtype="float32", serving_report=report)
+    readme = (out / "README.md").read_text()
+    assert "## Serving config measured by draftsmith bench" in readme
+    assert '"num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 8, 0]]' in readme and '"model": "THIS_DIR"' in readme
+    report.write_text(json.dumps({"kind": "eagle3", "serving_config": chosen}))
+    with pytest.raises(ExportError, match="measured a eagle3 drafter, not this p_eagle checkpoint"):
+        export(tmp_path / "ckpt", "vllm", tmp_path / "other", dtype="float32", serving_report=report)
+    report.write_text(json.dumps({"kind": "p_eagle"}))
+    with pytest.raises(ExportError, match="holds no measured serving_config"):
+        export(tmp_path / "ckpt", "vllm", tmp_path / "other", dtype="float32", serving_report=report)
+    assert not (tmp_path / "other").exists()
