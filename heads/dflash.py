@@ -301,12 +301,16 @@ class DFlash(DrafterBase):
         return per_row.sum().float().expand(self.K).clone()
 
     def sample_anchors(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Random anchors per sequence: positions [b, A] and which are real [b, A] (fewer candidates: padded)."""
+        """Random anchors per sequence: positions [b, A] and which are real [b, A] (fewer candidates: padded).
+        Out of training mode (held-out validation) the draw is seeded, so every validation scores the same
+        blocks and leaves the training's random stream alone."""
         candidates = self.anchor_candidates(batch)
         b = candidates.shape[0]
         A = int(candidates.sum(1).clamp(max=self.config.anchors).max()) if b else 0
         A = max(A, 1)
-        scores = torch.rand(candidates.shape, device=candidates.device).masked_fill(~candidates, -1.0)
+        generator = None if self.training else torch.Generator(candidates.device).manual_seed(0)
+        scores = torch.rand(candidates.shape, device=candidates.device, generator=generator)
+        scores = scores.masked_fill(~candidates, -1.0)
         top = scores.topk(min(A, candidates.shape[1]), dim=1)
         return top.indices, top.values >= 0
 

@@ -118,6 +118,9 @@ def test_anchors_are_random_inside_the_reply_and_counts_follow_the_masks(tiny_ta
         assert ((anchors[0] >= 4) & (anchors[0] <= 10)).all() and set(anchors[1].tolist()) == {8, 9, 10}
         draws.add(tuple(sorted(anchors[0].tolist())))
     assert len(draws) > 1                                     # random, not fixed
+    drafter.eval()                                            # held-out validation: the same blocks every time
+    assert torch.equal(drafter.sample_anchors(batch)[0], drafter.sample_anchors(batch)[0])
+    drafter.train()
     assert drafter.loss_counts(batch).tolist() == [6.0] * drafter.K
     batch["features"] = tiny_target.features(ids, batch["attention_mask"], drafter.required_layers)
     out = drafter.loss(batch)
