@@ -39,7 +39,7 @@ from torch import nn
 
 from draftsmith.heads.contract import DrafterBase
 from draftsmith.heads.decoding.dynamic_tree import TreeSettings
-from draftsmith.heads.decoding.parallel import parallel_tree
+from draftsmith.heads.decoding.parallel import parallel_tree, resolve_mask_token
 from draftsmith.heads.draft_vocab import add_draft_vocabulary, d2t_offsets, set_draft_map
 from draftsmith.heads.drafter import DraftContext, StepOutput, divide, term_denominators
 from draftsmith.heads.eagle3_layout import target_architecture, verifier_path
@@ -108,24 +108,6 @@ class DFlashConfig:
             raise ValueError(f"drafter.block_size {self.block_size} is longer than the training sequences "
                              f"(data.max_seq_len {recipe.data.max_seq_len}): no anchor's block would fit; "
                              "lower block_size or raise data.max_seq_len")
-
-
-def resolve_mask_token(target: Target, wanted: int | None) -> int:
-    """The mask token id, checked against the target's vocabulary."""
-    if wanted is None:
-        tok = target.tokenizer
-        pad = getattr(tok, "pad_token_id", None)
-        for candidate in (getattr(tok, "mask_token_id", None),
-                          pad if pad is not None and pad not in target.eos_token_ids else None):
-            if candidate is not None:
-                wanted = int(candidate)
-                break
-        else:
-            wanted = target.vocab_size - 1
-    if not 0 <= int(wanted) < target.vocab_size:
-        raise ValueError(f"drafter.mask_token_id {wanted} is outside the target's vocabulary [0, "
-                         f"{target.vocab_size - 1}]: give a token id the target's embedding has")
-    return int(wanted)
 
 
 class BlockAttention(nn.Module):

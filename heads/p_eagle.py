@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.heads.decoding.dynamic_tree import TreeSettings
-from draftsmith.heads.decoding.parallel import parallel_tree
+from draftsmith.heads.decoding.parallel import parallel_tree, resolve_mask_token
 from draftsmith.heads.drafter import DraftContext
 from draftsmith.heads.eagle3 import Eagle3, Eagle3Config, read_eagle3
 from draftsmith.heads.eagle3_layout import is_parallel
@@ -65,24 +65,6 @@ class PEagleConfig(Eagle3Config):
         if self.tree["depth"] > self.ttt_steps:
             raise ValueError(f"drafter.tree.depth {self.tree['depth']} is more than the {self.ttt_steps} tokens "
                              "P-EAGLE drafts in one forward (drafter.ttt_steps): lower it or train a larger K")
-
-
-def resolve_mask_token(target: Target, wanted: int | None) -> int:
-    """The mask token id, checked against the target's vocabulary."""
-    if wanted is None:
-        tok = target.tokenizer
-        pad = getattr(tok, "pad_token_id", None)
-        for candidate in (getattr(tok, "mask_token_id", None),
-                          pad if pad is not None and pad not in target.eos_token_ids else None):
-            if candidate is not None:
-                wanted = int(candidate)
-                break
-        else:
-            wanted = target.vocab_size - 1
-    if not 0 <= int(wanted) < target.vocab_size:
-        raise ValueError(f"drafter.mask_token_id {wanted} is outside the target's vocabulary [0, "
-                         f"{target.vocab_size - 1}]: give a token id the target's embedding has")
-    return int(wanted)
 
 
 @register("p_eagle")

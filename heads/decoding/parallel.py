@@ -1,4 +1,5 @@
-"""The tree of a parallel drafter (P-EAGLE, DFlash): K positions drafted independently in one forward.
+"""What the parallel drafters (P-EAGLE, DFlash) share: the mask token their later slots read, and the tree of
+K positions drafted independently in one forward.
 
 No deeper node can condition on an alternative at an earlier depth, so the tree is the chain of the K
 argmaxes with, at each depth, the next top_k-1 candidates as leaves under the chain's previous node.
@@ -27,3 +28,21 @@ def parallel_tree(logprobs: torch.Tensor, settings: TreeSettings, draft_to_targe
     parents = [-1 if node // k == 0 else index[(node // k - 1) * k] for node in kept]
     tokens = top.indices.flatten()[torch.tensor(kept)]
     return DraftTree(tokens=draft_to_target[tokens].cpu(), parents=torch.tensor(parents, dtype=torch.long))
+
+
+def resolve_mask_token(target, wanted: int | None) -> int:
+    """The mask token id for `target` (heads.runtime.target.Target), checked against its vocabulary."""
+    if wanted is None:
+        tok = target.tokenizer
+        pad = getattr(tok, "pad_token_id", None)
+        for candidate in (getattr(tok, "mask_token_id", None),
+                          pad if pad is not None and pad not in target.eos_token_ids else None):
+            if candidate is not None:
+                wanted = int(candidate)
+                break
+        else:
+            wanted = target.vocab_size - 1
+    if not 0 <= int(wanted) < target.vocab_size:
+        raise ValueError(f"drafter.mask_token_id {wanted} is outside the target's vocabulary [0, "
+                         f"{target.vocab_size - 1}]: give a token id the target's embedding has")
+    return int(wanted)
