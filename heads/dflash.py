@@ -39,7 +39,7 @@ from torch import nn
 
 from draftsmith.heads.contract import DrafterBase
 from draftsmith.heads.decoding.dynamic_tree import TreeSettings
-from draftsmith.heads.decoding.parallel import parallel_tree, resolve_mask_token
+from draftsmith.heads.decoding.parallel import clamp_depth, parallel_tree, resolve_mask_token
 from draftsmith.heads.draft_vocab import add_draft_vocabulary, d2t_offsets, set_draft_map
 from draftsmith.heads.drafter import DraftContext, StepOutput, divide, term_denominators
 from draftsmith.heads.eagle3_layout import target_architecture, verifier_path
@@ -303,10 +303,7 @@ class DFlash(DrafterBase):
             if tree_size:
                 defaults["total_tokens"] = tree_size
             settings = TreeSettings(**defaults)
-        if settings.depth > self.K:
-            settings = TreeSettings(depth=self.K, top_k=settings.top_k,
-                                    total_tokens=min(settings.total_tokens, self.K * settings.top_k))
-        self.tree = settings
+        self.tree = clamp_depth(settings, self.K)
 
     def describe_proposal(self) -> str:
         if self.tree.top_k == 1:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.heads.decoding.dynamic_tree import TreeSettings
-from draftsmith.heads.decoding.parallel import parallel_tree, resolve_mask_token
+from draftsmith.heads.decoding.parallel import clamp_depth, parallel_tree, resolve_mask_token
 from draftsmith.heads.drafter import DraftContext
 from draftsmith.heads.eagle3 import Eagle3, Eagle3Config, read_eagle3
 from draftsmith.heads.eagle3_layout import is_parallel
@@ -113,10 +113,7 @@ class PEagle(Eagle3):
     # -- decoding ----------------------------------------------------------------------
     def set_proposal(self, chain: int | None = None, tree_size: int | None = None, tree: TreeSettings | None = None):
         super().set_proposal(chain=chain, tree_size=tree_size, tree=tree)
-        K = self.config.ttt_steps
-        if self.tree.depth > K:                       # one forward drafts K tokens, never more
-            self.tree = TreeSettings(depth=K, top_k=self.tree.top_k, total_tokens=min(self.tree.total_tokens,
-                                                                                        K * self.tree.top_k))
+        self.tree = clamp_depth(self.tree, self.config.ttt_steps)      # one forward drafts K tokens, never more
 
     def describe_proposal(self) -> str:
         if self.tree.top_k == 1:

@@ -46,3 +46,10 @@ def resolve_mask_token(target, wanted: int | None) -> int:
         raise ValueError(f"drafter.mask_token_id {wanted} is outside the target's vocabulary [0, "
                          f"{target.vocab_size - 1}]: give a token id the target's embedding has")
     return int(wanted)
+
+
+def clamp_depth(settings: TreeSettings, K: int) -> TreeSettings:
+    """A proposal no deeper than the K positions one forward drafts (the nodes kept within K * top_k)."""
+    if settings.depth <= K:
+        return settings
+    return TreeSettings(depth=K, top_k=settings.top_k, total_tokens=min(settings.total_tokens, K * settings.top_k))
