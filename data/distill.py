@@ -122,17 +122,21 @@ def shard_conversations(settings: DataSettings) -> int:
 
 def write_shard(target: Target, out_dir: Path, index: int, records: list[dict], capture_layers,
                 features_dir: Path, name: str | None = None, max_tokens: int | None = None,
-                shard_mb: float | None = None) -> None:
+                shard_mb: float | None = None, pending_feature_values: int = 0) -> None:
     """Features first, then the shard (its existence marks the shard done), each atomically.
     `name`: a part of the shard (kept at a time cap; see `shard_parts`) instead of the shard itself.
     `max_tokens`: features are kept for the tokens training reads (data.max_seq_len), the shard whole.
-    `shard_mb`: records past that many megabytes on disk go to parts of the shard, written first."""
+    `shard_mb`: records past that many megabytes on disk go to parts of the shard, written first.
+    `pending_feature_values`: values per token of the features a later pass computes for these records
+    (the vLLM backend's feature pass, one file per shard or part): counted in the split now, so that
+    pass holds and writes at most `shard_mb` at a time."""
     if capture_layers and target.layers_loaded and any(r.get("features") is None for r in records):
         # prefill shards: one forward of the target over every token training reads
         computed = feature_cache.compute_features(target, records, capture_layers, max_tokens=max_tokens)
         for record, feats in zip(records, computed):
             record["features"] = feats[:max_tokens] if max_tokens else feats
-    pieces = [records] if name or shard_mb is None else _split_by_bytes(records, shard_mb * 1e6, max_tokens)
+    pieces = [records] if name or shard_mb is None else _split_by_bytes(records, shard_mb * 1e6, max_tokens,
+                                                                         pending_feature_values)
     for number, piece in enumerate(pieces):
         last = number == len(pieces) - 1
         piece_name = name or (f"shard-{index:05d}" if last else
@@ -147,14 +151,16 @@ def write_shard(target: Target, out_dir: Path, index: int, records: list[dict], 
                      "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in piece))
 
 
-def _split_by_bytes(records: list[dict], limit: float, max_tokens: int | None) -> list[list[dict]]:
-    """Consecutive groups of records, each under `limit` bytes on disk (a record larger alone is one group)."""
+def _split_by_bytes(records: list[dict], limit: float, max_tokens: int | None,
+                    pending_feature_values: int = 0) -> list[list[dict]]:
+    """Consecutive groups of records, each under `limit` bytes on disk (a record larger alone is one group);
+    a record's features are counted whether it holds them now or a later pass computes them."""
     groups, size = [[]], 0
     for r in records:
         feats = r.get("features")
         kept = min(len(r["input_ids"]), max_tokens or len(r["input_ids"]))
-        bytes_ = len(r["input_ids"]) * JSONL_BYTES_PER_TOKEN + (
-            0 if feats is None else kept * feats[0].numel() * feature_cache.BYTES_PER_VALUE)
+        values = pending_feature_values if feats is None else feats[0].numel()
+        bytes_ = len(r["input_ids"]) * JSONL_BYTES_PER_TOKEN + kept * values * feature_cache.BYTES_PER_VALUE
         if groups[-1] and size + bytes_ > limit:
             groups.append([])
             size = 0
@@ -241,9 +247,12 @@ class _Run:
         self.bar.update(tokens=n)
 
     def write(self, index: int, records: list[dict], capture=True) -> None:
+        """capture=False: the features come later, from the feature pass (vLLM), one file per shard or part."""
         self.watch.add(records)
+        pending = 0 if capture else len(set(self.capture_layers)) * self.target.hidden_size
         write_shard(self.target, self.out_dir, index, records, self.capture_layers if capture else (),
-                    self.features_dir, max_tokens=self.settings.max_seq_len, shard_mb=self.settings.shard_mb)
+                    self.features_dir, max_tokens=self.settings.max_seq_len, shard_mb=self.settings.shard_mb,
+                    pending_feature_values=pending)
         self.bar.update(conversations=len(self.batches[index]))
         self.watch.check()
 

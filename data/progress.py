@@ -25,6 +25,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from draftsmith.heads.infra.files import DirectoryLock, StorageError, write_atomic
+from draftsmith.heads.infra.launch_checks import check_launch
 
 
 @dataclass
@@ -133,10 +134,11 @@ def _clock(seconds: float) -> str:
 
 
 @contextmanager
-def data_launch(out_dir: Path, timeout_minutes: float):
+def data_launch(out_dir: Path, timeout_minutes: float, recipe: dict | None = None):
     """This process's `Launch`, holding output_dir's lock for the run: alone, the lock; under a launcher,
     a gloo process group (its barriers only: shards are files), the main rank holding the lock for all of
-    them, so a second launch on the same directory is refused on every one of its ranks."""
+    them, so a second launch on the same directory is refused on every one of its ranks.  Under a launcher,
+    before that: every process sees output_dir and holds the same `recipe` (launch_checks.check_launch)."""
     rank, world, _ = launch_from_environment()
     if world == 1:
         with DirectoryLock(out_dir, "data run"):
@@ -146,6 +148,7 @@ def data_launch(out_dir: Path, timeout_minutes: float):
     dist.init_process_group("gloo", timeout=timedelta(minutes=timeout_minutes))
     lock, refusal = DirectoryLock(out_dir, "data run"), None
     try:
+        check_launch(out_dir, recipe or {}, rank, world)
         if rank == 0:
             try:
                 lock.__enter__()

@@ -73,6 +73,28 @@ def check_launch(settings: dict, world: int, local_rank: int, device_type: str) 
     return list(range(local_rank * tp, (local_rank + 1) * tp))
 
 
+def visible_devices(indices: list[int], preset: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for this process's engine: its local device indices mapped through the list
+    already visible (SLURM and shared machines set CUDA_VISIBLE_DEVICES=4,5,6,7: local index 0 is GPU 4,
+    not GPU 0).  The entries may be numbers or UUIDs (GPU-...), and are kept as written."""
+    if not preset or not preset.strip():
+        return ",".join(str(i) for i in indices)
+    names = [name.strip() for name in preset.split(",") if name.strip()]
+    if max(indices) >= len(names):
+        raise ValueError(f"this process's engine needs local GPU(s) {indices}, but CUDA_VISIBLE_DEVICES={preset} "
+                         f"makes {len(names)} visible; give the launch more devices or fewer processes per node")
+    return ",".join(names[i] for i in indices)
+
+
+def use_spawn(environ=os.environ) -> str:
+    """vLLM starts its engine core and workers by forking unless told otherwise, and a fork after CUDA was
+    initialised in this process fails ("Cannot re-initialize CUDA in forked subprocess").  Set before
+    anything touches CUDA (draftsmith data calls it before it resolves the device): spawn, unless the
+    user chose a method.  Returns the method in force."""
+    environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    return environ["VLLM_WORKER_MULTIPROC_METHOD"]
+
+
 class Engine:
     """One vLLM engine for a data run; `close()` shuts it down and frees its memory."""
 
@@ -84,7 +106,7 @@ class Engine:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             options = {"distributed_executor_backend": "uni"}
         if gpus is not None and launch_world > 1:        # before vLLM touches CUDA: this process's devices only
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
         try:
             from vllm import LLM  # optional: the vLLM data backend only
         except ImportError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -40,25 +41,28 @@ def cmd_data(args) -> dict:
     import torch
 
     from draftsmith.data.progress import data_launch, launch_from_environment
+    from draftsmith.data.vllm_backend import use_spawn
     from draftsmith.heads.infra.device import resolve_device
     from draftsmith.heads.infra.files import require_writable
     from draftsmith.heads.infra.outputs import guard_output
     from draftsmith.train.batches import make_recipe_data
     from draftsmith.train.settings import load_recipe
 
+    use_spawn()     # first: the recipe's checks already ask torch about CUDA, and vLLM must not fork after it
     recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
     if args.dry_run:
         from draftsmith.train.plan import dry_run
         return dry_run(recipe, recipe.target.load(), "data")
     guard_output(recipe.out, "data", "run", overwrite=True, foreign_ok=True)
     require_writable(recipe.out, "output_dir")
+    # vLLM generates with the target's weights off the device; they load for the feature pass, after it
+    with_vllm = recipe.data.backend == "vllm" and recipe.data.mode != "prefill"
     device = resolve_device(recipe.target.device)
     rank, world, local_rank = launch_from_environment()
     if world > 1 and device.type == "cuda":
         device = torch.device("cuda", local_rank)
-    # vLLM generates with the target's weights off the device; they load for the feature pass, after it
-    with_vllm = recipe.data.backend == "vllm" and recipe.data.mode != "prefill"
-    with data_launch(recipe.out, recipe.train.dist_timeout_minutes) as launch:
+    with data_launch(recipe.out, recipe.train.dist_timeout_minutes,
+                     json.loads(json.dumps(recipe.to_dict(), default=str))) as launch:
         target = recipe.target.load("cpu", layers=False) if with_vllm else recipe.target.load(device)
         report = make_recipe_data(recipe, target, launch=launch, full_target=lambda: recipe.target.load(device))
     if report is None:                    # not the main rank: it made its shards, the main rank says the rest

@@ -57,11 +57,16 @@ def term_denominators(batch: dict, counts: torch.Tensor) -> torch.Tensor:
 
     Alone, a micro-batch divides by its own token counts (`counts`, [terms]).  In training the loop
     hands over `batch["loss_denominators"]`: each term's token count over the whole optimizer step
-    (every micro-batch of the accumulation, every process), scaled so that the gradients accelerate
-    averages come out as the gradient of one mean over all those tokens.  A token then weighs the same
-    whether its row sits in a short micro-batch or a long one, in one process or in eight."""
+    (every micro-batch of the accumulation, every process), as integers, and `batch["loss_share"]`, the
+    number of micro-batch gradients accelerate averages (processes x grad_accum), by which the counts
+    are divided, so that the applied gradient is the gradient of one mean over all those tokens.  A
+    token then weighs the same whether its row sits in a short micro-batch or a long one, in one
+    process or in eight.  The counts stay integers until here: FSDP's mixed precision casts every
+    floating-point tensor of a forward's inputs to bf16, which would round a count of 1,000 tokens."""
     given = batch.get("loss_denominators")
-    return counts.float() if given is None else given.to(counts.device, torch.float32)
+    if given is None:
+        return counts.float()
+    return given.to(counts.device, torch.float32) / batch.get("loss_share", 1)
 
 
 def divide(total: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:

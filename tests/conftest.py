@@ -6,7 +6,6 @@ Hugging Face directory.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -15,95 +14,7 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-# the tiny tokenizer's vocabulary: common English words, punctuation, a few code tokens and digits
-WORDS = [
-    'the', 'a', 'an', 'of', 'to', 'and', 'in', 'is', 'it', 'you', 'that', 'he', 'was', 'for', 'on', 'are',
-    'with', 'as', 'I', 'his', 'they', 'be', 'at', 'one', 'have', 'this', 'from', 'or', 'had', 'by', 'not',
-    'word', 'but', 'what', 'some', 'we', 'can', 'out', 'other', 'were', 'all', 'there', 'when', 'up', 'use',
-    'your', 'how', 'said', 'each', 'she', 'which', 'do', 'their', 'time', 'if', 'will', 'way', 'about', 'many',
-    'then', 'them', 'write', 'would', 'like', 'so', 'these', 'her', 'long', 'make', 'thing', 'see', 'him',
-    'two', 'has', 'look', 'more', 'day', 'could', 'go', 'come', 'did', 'number', 'sound', 'no', 'most',
-    'people', 'my', 'over', 'know', 'water', 'than', 'call', 'first', 'who', 'may', 'down', 'side', 'been',
-    'now', 'find', 'any', 'new', 'work', 'part', 'take', 'get', 'place', 'made', 'live', 'where', 'after',
-    'back', 'little', 'only', 'round', 'man', 'year', 'came', 'show', 'every', 'good', 'me', 'give', 'our',
-    'under', 'name', 'very', 'through', 'just', 'form', 'sentence', 'great', 'think', 'say', 'help', 'low',
-    'line', 'differ', 'turn', 'cause', 'much', 'mean', 'before', 'move', 'right', 'boy', 'old', 'too', 'same',
-    'tell', 'does', 'set', 'three', 'want', 'air', 'well', 'also', 'play', 'small', 'end', 'put', 'home',
-    'read', 'hand', 'port', 'large', 'spell', 'add', 'even', 'land', 'here', 'must', 'big', 'high', 'such',
-    'follow', 'act', 'why', 'ask', 'men', 'change', 'went', 'light', 'kind', 'off', 'need', 'house', 'picture',
-    'try', 'us', 'again', 'animal', 'point', 'mother', 'world', 'near', 'build', 'self', 'earth', 'father',
-    'head', 'stand', 'own', 'page', 'should', 'country', 'found', 'answer', 'school', 'grow', 'study', 'still',
-    'learn', 'plant', 'cover', 'food', 'sun', 'four', 'between', 'state', 'keep', 'eye', 'never', 'last', 'let',
-    'thought', 'city', 'tree', 'cross', 'farm', 'hard', 'start', 'might', 'story', 'saw', 'far', 'sea', 'draw',
-    'left', 'late', 'run', "don't", 'while', 'press', 'close', 'night', 'real', 'life', 'few', 'north', 'open',
-    'seem', 'together', 'next', 'white', 'children', 'begin', 'got', 'walk', 'example', 'ease', 'paper',
-    'group', 'always', 'music', 'those', 'both', 'mark', 'often', 'letter', 'until', 'mile', 'river', 'car',
-    'feet', 'care', 'second', 'book', 'carry', 'took', 'science', 'eat', 'room', 'friend', 'began', 'idea',
-    'fish', 'mountain', 'stop', 'once', 'base', 'hear', 'horse', 'cut', 'sure', 'watch', 'color', 'face',
-    'wood', 'main', 'enough', 'plain', 'girl', 'usual', 'young', 'ready', 'above', 'ever', 'red', 'list',
-    'though', 'feel', 'talk', 'bird', 'soon', 'body', 'dog', 'family', 'direct', 'pose', 'leave', 'song',
-    'measure', 'door', 'product', 'black', 'short', 'numeral', 'class', 'wind', 'question', 'happen',
-    'complete', 'ship', 'area', 'half', 'rock', 'order', 'fire', 'south', 'problem', 'piece', 'told', 'knew',
-    'pass', 'since', 'top', 'whole', 'king', 'space', 'heard', 'best', 'hour', 'better', 'true', 'during',
-    'hundred', 'five', 'remember', 'step', 'early', 'hold', 'west', 'ground', 'interest', 'reach', 'fast',
-    'verb', 'sing', 'listen', 'six', 'table', 'travel', 'less', 'morning', 'ten', 'simple', 'several', 'vowel',
-    'toward', 'war', 'lay', 'against', 'pattern', 'slow', 'center', '.', ',', '?', '!', ':', '(', ')', 'def',
-    'return', 'print', '=', '+', '-', '*', '0', '1', '2', '3', '4', '5', '6', '7', '8', '9',
-]
-SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
-
-
-def make_tokenizer(vocab_size: int | None = None):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = SPECIALS + [w for w in dict.fromkeys(WORDS) if w not in SPECIALS]
-    if vocab_size is not None:
-        words = words[:vocab_size]
-    vocab = {w: i for i, w in enumerate(words)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##")   # joins with spaces
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>",
-                                  pad_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
-    tok.chat_template = CHATML
-    return tok
-
-
-def make_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2,
-                  pad_token_id=2, bos_token_id=1, tie_word_embeddings=False)
-    if family == "llama":
-        return LlamaConfig(**common)
-    if family == "qwen2":
-        return Qwen2Config(**common, use_sliding_window=False)
-    if family == "mistral":
-        return MistralConfig(**common, sliding_window=None)
-    raise ValueError(family)
-
-
-def build_tiny_target(directory: Path, family: str = "llama", seed: int = 0, vocab_size: int | None = None,
-                      sharpen: float = 4.0, layers: int = 2):
-    """Save a random tiny causal LM + tokenizer to `directory`; `sharpen` scales the output head so
-    the model's distributions are peaked like a trained model's (and greedy runs are not all ties)."""
-    from transformers import AutoModelForCausalLM
-
-    tok = make_tokenizer(vocab_size)
-    torch.manual_seed(seed)
-    config = make_config(family, len(tok), layers=layers)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(sharpen)
-    model.save_pretrained(directory)
-    tok.save_pretrained(directory)
-    return directory
+from tiny_models import CHATML, SPECIALS, WORDS, build_tiny_target, chats_file, make_config, make_tokenizer  # noqa: F401
 
 
 @pytest.fixture(scope="session")
@@ -229,16 +140,6 @@ def tiny_recipe(tmp_path, target_dir, **train):
         "train": {"epochs": 2, "batch_size": 4, "lr": 1e-2, "warmup_steps": 2, "log_every": 2, "save_every": 3,
                   "mixed_precision": "no", "heldout_fraction": 0.2, **train},
     }
-
-
-def chats_file(path: Path, count: int) -> Path:
-    words = ["the", "time", "is", "one", "of", "the", "day", "and", "the", "night", "of", "water"]
-    rows = []
-    for i in range(count):
-        prompt = " ".join(words[(i + j) % len(words)] for j in range(3 + i % 5))
-        rows.append({"id": f"c{i}", "messages": [{"role": "user", "content": prompt}]})
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    return path
 
 
 def prompts(target, count=4, length=6, seed=0):

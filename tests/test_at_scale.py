@@ -18,7 +18,8 @@ from draftsmith.data.distill import DataSettings, make_data, plan_batches, shard
 from draftsmith.data.space import estimate_lengths
 from draftsmith.heads.drafter import StepOutput
 from draftsmith.train.batches import Batches, DataNotReady
-from draftsmith.train.loop import Window, _log_window, _validate, total_tokens
+from draftsmith.train.loop import Window, _log_window, total_tokens
+from draftsmith.train.validation import _validate
 from draftsmith.train.settings import RecipeError, recipe_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,8 +126,8 @@ def test_heldout_validation_holds_one_batch_at_a_time_whatever_the_heldout_size(
             accelerator = StrictAccelerator("cpu", processes)
             accelerator.process_index, accelerator.is_main_process = rank, rank == 0
             accelerator.reduce = lambda t, reduction="sum": t          # this process's own share
-            metrics = _validate(recipe, accelerator, SimpleNamespace(device=torch.device("cpu")), StubDrafter(),
-                                heldout, {"step": 0}, tmp_path / "log.jsonl", calibrate=False)
+            metrics, _ = _validate(recipe, accelerator, SimpleNamespace(device=torch.device("cpu")), StubDrafter(),
+                                   heldout, {"step": 0}, calibrate=False)
             counted += metrics["heldout/positions"]
             calls.add(heldout.made)
             peaks.append(heldout.peak)

@@ -9,6 +9,7 @@ accelerate's own FSDP plugin (read from the launcher's FSDP_* environment)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from datetime import timedelta
@@ -74,17 +75,68 @@ def make_accelerator(recipe: Recipe):
 
 def launch_precision(recipe_value: str) -> str:
     """The recipe's train.mixed_precision, reconciled with the `mixed_precision` of `accelerate launch`
-    (its config file or flag): 'auto' takes the launcher's; two values that differ are refused."""
+    (its config file or flag): 'auto' takes the launcher's; two values that differ are refused.
+
+    Under DeepSpeed with a `deepspeed_config_file` the precision is the JSON's: accelerate refuses a
+    `mixed_precision` in such a launch file and exports `no` for it, which means nothing.  The JSON's
+    `bf16.enabled` (or `fp16.enabled`) true or false is compared with the recipe; "auto" (the shipped
+    configs) lets the recipe decide."""
+    json_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if json_file and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return _deepspeed_json_precision(json_file, recipe_value)
     given = os.environ.get("ACCELERATE_MIXED_PRECISION")
     if not given:
         return recipe_value
     if recipe_value == "auto":
         return given
     if given != recipe_value:
-        raise ValueError(f"the accelerate config sets mixed_precision={given} but the recipe has "
-                         f"train.mixed_precision={recipe_value}; make them agree (--mixed_precision "
+        raise ValueError(f"the accelerate config{launch_config_file()} sets mixed_precision={given} but the recipe "
+                         f"has train.mixed_precision={recipe_value}; make them agree (--mixed_precision "
                          f"{recipe_value} on the launch line, or train.mixed_precision=auto)")
     return recipe_value
+
+
+def _deepspeed_json_precision(path: str, recipe_value: str) -> str:
+    try:
+        config = json.loads(open(path).read())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"the DeepSpeed config '{path}' cannot be read ({err}); fix the deepspeed_config_file "
+                         "of the accelerate config") from None
+    enabled = {name: str(config.get(name, {}).get("enabled", "auto")).lower() for name in ("bf16", "fp16")}
+    if enabled["fp16"] == "true":
+        raise ValueError(f"the DeepSpeed config '{path}' enables fp16, which draftsmith does not train in; set "
+                         '"fp16": {"enabled": false} and "bf16": {"enabled": "auto"} there')
+    given = {"true": "bf16", "false": "no"}.get(enabled["bf16"])
+    if given is None or recipe_value == "auto":
+        return given or recipe_value
+    if given != recipe_value:
+        raise ValueError(f"the DeepSpeed config '{path}' sets bf16.enabled={enabled['bf16']} but the recipe has "
+                         f"train.mixed_precision={recipe_value}; make them agree (\"bf16\": {{\"enabled\": \"auto\"}} "
+                         "lets the recipe decide)")
+    return recipe_value
+
+
+def launch_config_file(pid: int | None = None) -> str:
+    """' (FILE)': the --config_file of the `accelerate launch` this process runs under, read from its
+    ancestors' command lines (Linux /proc; the launcher exports no variable naming it), or ''."""
+    pid = pid or os.getppid()
+    for _ in range(4):                    # launcher -> torchrun's agent -> this process, and a shell or two
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return ""
+        for i, arg in enumerate(argv):
+            if arg in ("--config_file", "--config-file") and i + 1 < len(argv):
+                return f" ({argv[i + 1]})"
+            if arg.startswith(("--config_file=", "--config-file=")):
+                return f" ({arg.split('=', 1)[1]})"
+        if parent <= 1:
+            return ""
+        pid = parent
+    return ""
 
 
 def launched_with() -> str | None:

@@ -276,15 +276,16 @@ def collate(rows: list[dict]) -> dict:
     return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
 
 
-def step_denominators(drafter, sampler, first: int, grad_accum: int, processes: int) -> torch.Tensor:
+def step_denominators(drafter, sampler, first: int, grad_accum: int) -> torch.Tensor:
     """Each loss term's token count over the optimizer step whose first micro-batch is `first`: all its
-    global batches (every process's slice), counted from the masks alone.  Divided by processes x
-    grad_accum, because accelerate (and DeepSpeed) divides each micro-batch's loss by grad_accum and the
-    processes' gradients are averaged: what is applied is then the gradient of the mean over the step's
-    tokens, the same however the step is split (heads/drafter.py, term_denominators)."""
+    global batches (every process's slice), counted from the masks alone, as integers ([terms] int64).
+    The loss divides them by processes x grad_accum (`batch["loss_share"]`), because accelerate (and
+    DeepSpeed) divides each micro-batch's loss by grad_accum and the processes' gradients are averaged:
+    what is applied is then the gradient of the mean over the step's tokens, the same however the step
+    is split (heads/drafter.py, term_denominators)."""
     counts = [drafter.loss_counts(collate(sampler.batches._rows(group)))
               for group in sampler.groups[first: first + grad_accum]]
-    return torch.stack(counts).sum(0) / (processes * grad_accum)
+    return torch.stack(counts).sum(0).round().long()
 
 
 def training_target(recipe, accelerator) -> Target:

@@ -94,6 +94,7 @@ def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimiz
                                "free some space, or choose another output_dir, then run the same command again "
                                "(resume=true continues from the last checkpoint written)") from None
     accelerator.wait_for_everyone()
+    (tmp / "state").mkdir(parents=True, exist_ok=True)      # rank 0 made it (output_dir is shared: launch_checks)
     torch.save({"torch": rank_state["torch"], "python": _python_state(rank_state["python"])},
                tmp / "state" / f"rng-{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()

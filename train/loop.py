@@ -13,7 +13,6 @@ non-finite loss stops the run and keeps the last good checkpoint.
 from __future__ import annotations
 
 import gc
-import itertools
 import json
 import logging
 import math
@@ -23,21 +22,22 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.heads.card import write_card
-from draftsmith.heads.decoding.metrics import per_position_acceptance, simulated_tau, tau
-from draftsmith.heads.decoding.verifier import decode
+from draftsmith.heads.decoding.metrics import simulated_tau
 from draftsmith.heads.draft_vocab import assistant_token_counts, coverage, draft_vocabulary
 from draftsmith.heads.drafter import save_drafter, warm_start
 from draftsmith.heads.infra.device import same_device
 from draftsmith.heads.infra.files import DirectoryLock
+from draftsmith.heads.infra.launch_checks import check_launch
 from draftsmith.heads.registry import registry
 from draftsmith.heads.runtime.target import Target, TargetError
 
-from .accelerator import fill_deepspeed_sizes, make_accelerator, whole_parameters, whole_target, zero_stage
+from .accelerator import fill_deepspeed_sizes, make_accelerator, whole_target, zero_stage
 from .batches import (Batches, feature_layers, load_training_data, require_data_for_launch, step_denominators,
                       training_target)
 from .checkpointing import guard_output, load_state, require_checkpoint_space, save_checkpoint
 from .plan import check_drafter_size
-from .schedule import warmup_cosine
+from .schedule import LaunchClock, warmup_cosine
+from .validation import check_replicas, features_for, validate
 from .settings import Recipe, loader_workers
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,9 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
     one whose trained checkpoint would be replaced without resume=true or overwrite=true."""
     guard_output(recipe)
     accelerator = make_accelerator(recipe)
+    # before any work, on every process: one output_dir all of them see, one recipe (heads/infra/launch_checks.py)
+    check_launch(recipe.out, json.loads(json.dumps(recipe.to_dict(), default=str)), accelerator.process_index,
+                 accelerator.num_processes)
     if not accelerator.is_main_process:    # the main process holds output_dir's lock for the whole run
         return _fit(recipe, accelerator, target, progress)
     with DirectoryLock(recipe.out, "training run"):
@@ -131,8 +134,7 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
         total_steps = min(total_steps, recipe.train.max_steps)
     optimizer = torch.optim.AdamW(drafter.param_groups(recipe.train.lr), lr=recipe.train.lr, betas=recipe.train.betas,
                                   weight_decay=recipe.train.weight_decay)
-    clock = {"start": time.time(), "limit": recipe.train.max_minutes * 60 if recipe.train.max_minutes else None,
-             "offset": 0.0}
+    clock = LaunchClock(recipe.train.max_minutes * 60 if recipe.train.max_minutes else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(recipe.train.warmup_steps, total_steps, clock))
     fill_deepspeed_sizes(accelerator, target.hidden_size)
@@ -143,14 +145,13 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
     checkpoint_dir = recipe.out / "checkpoint"
     if recipe.resume:
         progress_state = load_state(checkpoint_dir, recipe, accelerator, model, optimizer, scheduler)
-        clock["offset"] = progress_state["seconds"]
         log.info("resuming at step %d (epoch %d, batch %d)", progress_state["step"], progress_state["epoch"],
                  progress_state["batch_in_epoch"])
     if recipe.train.report_to != "none":
         accelerator.init_trackers(recipe.train.wandb_project, config=_flat(recipe.to_dict()),
                                   init_kwargs={"wandb": {"dir": str(recipe.out / "logs")}})
     report = _run(recipe, accelerator, target, model, optimizer, scheduler, batches, heldout,
-                  total_steps, progress_state, checkpoint_dir, progress)
+                  total_steps, progress_state, checkpoint_dir, progress, clock)
     # the DDP wrapper (and its gradient reducer) must go before end_training() destroys the process group:
     # freed afterwards, the reducer holds the last reference and gloo's teardown deadlocks on the GIL
     del model, optimizer, scheduler
@@ -180,15 +181,6 @@ def _flat(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
     return out
-
-
-def _features(target: Target, batch: dict, layers) -> dict:
-    """Cached features when the batch carries them (moved to the device), else the target computes them."""
-    if "features" in batch:
-        return {i: f.to(target.device, non_blocking=True) for i, f in batch["features"].items()}
-    if not layers:                      # a drafter that computes its own (Medusa-2)
-        return {}
-    return target.features(batch["input_ids"], batch["attention_mask"], layers)
 
 
 class Window:
@@ -234,7 +226,7 @@ class Window:
 
 
 def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, heldout, total_steps,
-         state, checkpoint_dir, progress) -> TrainReport:
+         state, checkpoint_dir, progress, clock: LaunchClock) -> TrainReport:
     settings = recipe.train
     drafter = accelerator.unwrap_model(model)
     layers = drafter.required_layers
@@ -242,7 +234,7 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
     log_path.parent.mkdir(parents=True, exist_ok=True)
     history: list[dict] = []
     window = Window(accelerator.device)
-    run_start = time.time() - state["seconds"]
+    clock.restart(state["seconds"])        # the steps begin now (a resume: after the seconds trained before)
     stopped_by = "epochs"
     done = state["step"] >= total_steps
     share = 1 / (accelerator.num_processes * settings.grad_accum)   # this micro-batch's share of the step's mean
@@ -253,9 +245,10 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
         skipped = accelerator.skip_first_batches(loader, state["batch_in_epoch"]) if state["batch_in_epoch"] else loader
         for batch in skipped:
             if state["batch_in_epoch"] % settings.grad_accum == 0:        # an optimizer step begins
-                denominators = step_denominators(drafter, sampler, state["batch_in_epoch"], settings.grad_accum,
-                                                 accelerator.num_processes).to(accelerator.device, non_blocking=True)
-            batch["loss_denominators"] = denominators
+                denominators = step_denominators(drafter, sampler, state["batch_in_epoch"],
+                                                 settings.grad_accum).to(accelerator.device, non_blocking=True)
+            batch["loss_denominators"] = denominators            # integers: no mixed precision casts them
+            batch["loss_share"] = accelerator.num_processes * settings.grad_accum
             out = _train_step(accelerator, model, optimizer, scheduler, target, batch, layers, settings, window)
             state["batch_in_epoch"] += 1
             window.add(out, batch["attention_mask"].sum(), share, state["step"])
@@ -263,7 +256,8 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
                 continue
             state["step"] += 1
             window.steps += 1
-            state["seconds"] = time.time() - run_start
+            if clock.due(state["step"], settings.log_every, accelerator.num_processes):
+                state["seconds"] = clock.sync(accelerator)      # rank 0's, the same step on every process
             stop = _stop_reason(settings, state, total_steps)
             saves = state["step"] % settings.save_every == 0 or bool(stop)
             if state["step"] % settings.log_every == 0 or state["step"] == total_steps:
@@ -288,6 +282,7 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
     final = validate(recipe, accelerator, target, model, heldout, state, log_path, calibrate=True)
     history.append(final)
     weights = accelerator.get_state_dict(model)             # gathered under FSDP / ZeRO-3
+    check_replicas(accelerator, model, state, recipe.out / "logs" / "replicas.json")
     if accelerator.is_main_process:
         save_drafter(drafter, checkpoint_dir, state=weights,
                      extra={"heldout": {k: v for k, v in final.items() if k.startswith(("heldout", "eval"))}})
@@ -304,27 +299,12 @@ def total_tokens(accelerator, state: dict) -> int:
     return int(accelerator.reduce(mine, reduction="sum").item())
 
 
-@torch.no_grad()
-def decode_heldout(recipe, target, drafter, heldout) -> dict:
-    """Real speculative decoding of held-out prompts with the drafter as it is now: tau, per-position acceptance."""
-    was_training = drafter.training
-    drafter.eval()
-    accepted: list[int] = []
-    for ids, mask in itertools.islice(zip(heldout.rows["input_ids"], heldout.rows["loss_mask"]),
-                                      recipe.train.eval_prompts):
-        prompt = ids[: mask.index(1)] if 1 in mask else ids
-        accepted += decode(target, prompt, recipe.train.eval_max_new_tokens, drafter=drafter).accepted
-    drafter.train(was_training)
-    depth = max(accepted, default=0)
-    return {"eval/tau": tau(accepted), "eval/per_position_acceptance": per_position_acceptance(accepted, max(depth, 1))}
-
-
 def _train_step(accelerator, model, optimizer, scheduler, target, batch, layers, settings, window):
     """One micro-batch: features, loss, backward; the optimizer steps when accumulation is complete.
     Nothing here waits for the device (the loss is checked in `Window.flush`)."""
     model.train()
     with accelerator.accumulate(model):
-        batch["features"] = _features(target, batch, layers)
+        batch["features"] = features_for(target, batch, layers)
         with accelerator.autocast():
             out = model(batch)
         accelerator.backward(out.loss)
@@ -385,72 +365,3 @@ def _log_window(accelerator, window: Window, state, scheduler, log_path, progres
     return metrics
 
 
-@torch.no_grad()
-def validate(recipe, accelerator, target, model, heldout, state, log_path, calibrate: bool = False) -> dict:
-    """Held-out top-1 agreement per draft position (and, at the end, top-k rates for tree building)."""
-    with whole_parameters(accelerator, model):
-        return _validate(recipe, accelerator, target, model, heldout, state, log_path, calibrate)
-
-
-def _validate(recipe, accelerator, target, model, heldout, state, log_path, calibrate: bool) -> dict:
-    drafter = accelerator.unwrap_model(model)
-    model.eval()
-    correct = counted = None
-    hits = hit_counted = None
-    count, processes, rank = heldout.batch_count(), accelerator.num_processes, accelerator.process_index
-    # Streaming: this process collates its own share (batches rank, rank + P, ...), one batch at a time.
-    # Every process makes the same number of calls (ZeRO-3 gathers weights inside them, all processes
-    # together): one whose share is shorter repeats batch 0, which counts for nothing.
-    for i in range(math.ceil(count / processes)):
-        index = i * processes + rank
-        weight = 1 if index < count else 0
-        batch = heldout.batch(index if weight else 0)
-        batch = {k: _to_device(v, accelerator.device) for k, v in batch.items()}
-        batch["features"] = _features(target, batch, drafter.required_layers)
-        with accelerator.autocast():
-            out = drafter.loss(batch)
-            found = drafter.topk_hits(batch) if calibrate else None
-            if found is not None:
-                h, c = (t * weight for t in found)
-                hits = h if hits is None else hits + h
-                hit_counted = c if hit_counted is None else hit_counted + c
-        correct = out.correct * weight if correct is None else correct + out.correct * weight
-        counted = out.counted * weight if counted is None else counted + out.counted * weight
-        del batch, out
-    if calibrate and hits is None:     # this process had no held-out batch (or the drafter has no static trees)
-        hits, hit_counted = drafter.topk_hits(None) or (None, None)
-    empty = torch.zeros(drafter.draft_positions, device=accelerator.device)
-    correct = accelerator.reduce(correct.to(accelerator.device) if correct is not None else empty, reduction="sum")
-    counted = accelerator.reduce(counted.to(accelerator.device) if counted is not None else empty.clone(),
-                                 reduction="sum")
-    agreement = (correct / counted.clamp(min=1)).tolist()
-    metrics = {"step": state["step"], "heldout/agreement": agreement, "heldout/simulated_tau": simulated_tau(agreement),
-               "heldout/positions": int(counted[0].item()) if counted.numel() else 0}
-    if hits is not None:
-        hits = accelerator.reduce(hits.to(accelerator.device), reduction="sum")
-        hit_counted = accelerator.reduce(hit_counted.to(accelerator.device), reduction="sum")
-        drafter.metadata["topk_accuracy"] = (hits / hit_counted.clamp(min=1)[:, None]).tolist()
-    logged = {"heldout/simulated_tau": metrics["heldout/simulated_tau"],
-              **{f"heldout/agreement_{j}": a for j, a in enumerate(agreement)}}
-    if recipe.train.eval_prompts and accelerator.is_main_process:
-        metrics.update(decode_heldout(recipe, target, drafter, heldout))
-        logged.update({k: v for k, v in metrics.items() if k.startswith("eval/") and not isinstance(v, list)})
-        logged.update({f"eval/acceptance_{j}": a for j, a in enumerate(metrics["eval/per_position_acceptance"])})
-        if recipe.train.report_to == "wandb":
-            import wandb  # optional at run time: only with train.wandb
-            rows = [[state["step"], j, a] for j, a in enumerate(metrics["eval/per_position_acceptance"])]
-            logged["eval/acceptance_table"] = wandb.Table(columns=["step", "position", "acceptance"], data=rows)
-    accelerator.log(logged, step=state["step"])
-    if accelerator.is_main_process:
-        with open(log_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-    return metrics
-
-
-def _to_device(value, device):
-    """A batch's tensors (and its {layer: features} dict) on the training device."""
-    if torch.is_tensor(value):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value

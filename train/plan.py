@@ -22,7 +22,7 @@ from accelerate import init_empty_weights
 from draftsmith.data import features as feature_cache
 from draftsmith.data import sources
 from draftsmith.data.chat import tokenize_chat
-from draftsmith.data.distill import columns
+from draftsmith.data.distill import columns, shard_conversations
 from draftsmith.data.generate import generate_batch
 from draftsmith.data.space import estimate_lengths
 from draftsmith.heads.infra.files import free_bytes, human_size
@@ -41,7 +41,7 @@ TOKEN_COLUMN_BYTES = 44      # a token's input id and loss mask as the Python li
 @torch.no_grad()
 def _data_rate(target, sample_ids: list[list[int]], settings) -> tuple[float, str]:
     """Tokens per second the data step makes here, measured on the sample."""
-    batch = sample_ids[: min(settings.batch_size, len(sample_ids))]
+    batch = sample_ids[: min(shard_conversations(settings), len(sample_ids))]      # data.batch_size auto: a shard's
     start = time.time()
     if settings.mode == "prefill":
         longest = max(len(x) for x in batch)
@@ -147,8 +147,9 @@ def dry_run(recipe, target, verb: str) -> dict:
         check_drafter_size(recipe, target)             # before the probe allocates it
     convs = list(sources.conversations(settings.source, columns=columns(settings)))
     taken = len(convs) if settings.max_conversations is None else min(len(convs), settings.max_conversations)
-    batches = math.ceil(taken / settings.batch_size)
-    taken = min(len(convs), batches * settings.batch_size)
+    per_shard = shard_conversations(settings)           # data.batch_size, or a shard's conversations under auto
+    batches = math.ceil(taken / per_shard)
+    taken = min(len(convs), batches * per_shard)
     sample = random.Random(recipe.seed).sample(convs, min(PROBE_CONVERSATIONS, len(convs)))
     prompt_ids, rows, masks = [], [], []
     for conv in sample:

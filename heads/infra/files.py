@@ -170,6 +170,7 @@ def directory_lock_pid(directory: Path) -> int | None:
 
 
 _HELD: dict[str, tuple[int, int]] = {}     # resolved directory -> (file descriptor, depth)
+UNSUPPORTED_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)     # flock refused by the filesystem itself
 
 
 class DirectoryLock:
@@ -191,17 +192,27 @@ class DirectoryLock:
         fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as err:
+            if isinstance(err, BlockingIOError):
+                os.close(fd)
+                raise self._busy() from None
             os.close(fd)
-            holder = directory_lock_pid(self.directory)
-            raise StorageError(errno.EBUSY,
-                               f"'{self.directory}' is in use by another draftsmith process"
-                               + (f" (pid {holder})" if holder else "")
-                               + f"; wait for it to finish, or give this {self.what} another output_dir") from None
+            if err.errno in UNSUPPORTED_LOCKS:     # the filesystem has no flock: say so, not a traceback
+                raise StorageError(err.errno, f"the filesystem of '{self.directory}' does not support file locks "
+                                              f"(flock: {err.strerror or err}); mount it with lock support (Lustre: "
+                                              "-o flock; NFS: lockd, or NFSv4), or choose an output_dir on a "
+                                              "filesystem that has them") from None
+            raise
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         _HELD[key] = (fd, 1)
         return self
+
+    def _busy(self) -> StorageError:
+        holder = directory_lock_pid(self.directory)
+        return StorageError(errno.EBUSY, f"'{self.directory}' is in use by another draftsmith process"
+                            + (f" (pid {holder})" if holder else "")
+                            + f"; wait for it to finish, or give this {self.what} another output_dir")
 
     def __exit__(self, *exc):
         key = str(self.directory.resolve())
