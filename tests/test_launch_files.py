@@ -41,7 +41,7 @@ def launch_data(tiny_target_dir, tmp_path_factory):
     """The tiny recipe (train.mixed_precision bf16, as the 8B recipe's) and its data, made once."""
     work = tmp_path_factory.mktemp("launch-files")
     raw = tiny_recipe(work, tiny_target_dir, epochs=100000, log_every=2, save_every=1000, eval_prompts=2,
-                      eval_every=0, eval_max_new_tokens=8, max_minutes=0.2, mixed_precision="bf16")
+                      eval_every=0, eval_max_new_tokens=8, max_minutes=0.12, mixed_precision="bf16")
     raw["output_dir"] = str(work / "data-run")
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(raw))
