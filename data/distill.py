@@ -126,10 +126,8 @@ def write_shard(target: Target, out_dir: Path, index: int, records: list[dict], 
     """Features first, then the shard (its existence marks the shard done), each atomically.
     `name`: a part of the shard (kept at a time cap; see `shard_parts`) instead of the shard itself.
     `max_tokens`: features are kept for the tokens training reads (data.max_seq_len), the shard whole.
-    `shard_mb`: records past that many megabytes on disk go to parts of the shard, written first.
-    `pending_feature_values`: values per token of the features a later pass computes for these records
-    (the vLLM backend's feature pass, one file per shard or part): counted in the split now, so that
-    pass holds and writes at most `shard_mb` at a time."""
+    `shard_mb`: records past that many megabytes on disk go to parts of the shard, written first, counting
+    `pending_feature_values` per token for features a later pass computes (vLLM's feature pass)."""
     if capture_layers and target.layers_loaded and any(r.get("features") is None for r in records):
         # prefill shards: one forward of the target over every token training reads
         computed = feature_cache.compute_features(target, records, capture_layers, max_tokens=max_tokens)
@@ -153,8 +151,7 @@ def write_shard(target: Target, out_dir: Path, index: int, records: list[dict], 
 
 def _split_by_bytes(records: list[dict], limit: float, max_tokens: int | None,
                     pending_feature_values: int = 0) -> list[list[dict]]:
-    """Consecutive groups of records, each under `limit` bytes on disk (a record larger alone is one group);
-    a record's features are counted whether it holds them now or a later pass computes them."""
+    """Consecutive groups of records, each under `limit` bytes on disk (a record larger alone is one group)."""
     groups, size = [[]], 0
     for r in records:
         feats = r.get("features")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -55,14 +54,13 @@ def cmd_data(args) -> dict:
         return dry_run(recipe, recipe.target.load(), "data")
     guard_output(recipe.out, "data", "run", overwrite=True, foreign_ok=True)
     require_writable(recipe.out, "output_dir")
-    # vLLM generates with the target's weights off the device; they load for the feature pass, after it
-    with_vllm = recipe.data.backend == "vllm" and recipe.data.mode != "prefill"
     device = resolve_device(recipe.target.device)
     rank, world, local_rank = launch_from_environment()
     if world > 1 and device.type == "cuda":
         device = torch.device("cuda", local_rank)
-    with data_launch(recipe.out, recipe.train.dist_timeout_minutes,
-                     json.loads(json.dumps(recipe.to_dict(), default=str))) as launch:
+    # vLLM generates with the target's weights off the device; they load for the feature pass, after it
+    with_vllm = recipe.data.backend == "vllm" and recipe.data.mode != "prefill"
+    with data_launch(recipe.out, recipe.train.dist_timeout_minutes, recipe.to_dict()) as launch:
         target = recipe.target.load("cpu", layers=False) if with_vllm else recipe.target.load(device)
         report = make_recipe_data(recipe, target, launch=launch, full_target=lambda: recipe.target.load(device))
     if report is None:                    # not the main rank: it made its shards, the main rank says the rest

@@ -210,6 +210,17 @@ def checkpoint_target(config: dict, dtype, device, path: str | None = None, adap
                        chat=config.get("target_chat"))
 
 
+def drafter_from_state(cls, settings, target: Target, state: dict, where: str):
+    """A `cls` drafter with `settings` on `target`, holding the weights (and draft-vocabulary maps) of
+    `state`, or an error naming `where` when they do not fit its shapes."""
+    drafter = cls(settings, target)
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise TargetError(f"{where} does not fit a {drafter.kind} drafter with its config: "
+                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return drafter
+
+
 def load_drafter(directory: Path, target: Target, require_checksum: bool = False):
     """Rebuild a drafter from its checkpoint against `target`; a different target is an error
     (require_checksum: a checkpoint without a weights checksum too, read_weights)."""
@@ -217,12 +228,9 @@ def load_drafter(directory: Path, target: Target, require_checksum: bool = False
     config = read_config(directory)
     cls = drafter_class(config.get("kind"), f"checkpoint '{directory}'")
     TargetIdentity.from_dict(config["target"]).require_same(target.identity, f"drafter '{directory}'")
-    drafter = cls(config_from_dict(cls.config_class, config["drafter"], f"{directory}/{CONFIG_FILE}"), target)
-    state = read_weights(directory, config, require_checksum)
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise TargetError(f"checkpoint '{directory}' does not fit a {config['kind']} drafter with its config: "
-                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    drafter = drafter_from_state(cls, config_from_dict(cls.config_class, config["drafter"],
+                                                       f"{directory}/{CONFIG_FILE}"),
+                                 target, read_weights(directory, config, require_checksum), f"checkpoint '{directory}'")
     drafter.metadata = config
     return drafter.to(target.device).eval()
 

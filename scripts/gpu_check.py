@@ -150,8 +150,12 @@ def tiny_stages(work: Path, device, gpus: int, results: list, skip_launches: boo
     for method in ("medusa", "eagle3"):
         stage(f"tiny: export {method}", lambda m=method: run("export", work / m / "checkpoint", "--to", "vllm",
                                                              work / f"export-{m}", "--device", device), results)
-    cuda = torch_device_type(device) == "cuda"
+    process_stages(work, recipes, torch_device_type(device) == "cuda", gpus, results, skip_launches)
 
+
+def process_stages(work: Path, recipes: dict, cuda: bool, gpus: int, results: list, skip_launches: bool) -> None:
+    """The launched stages on the tiny data: a 1-process torchrun, then the 2-process launches of the
+    shipped accelerate configs (2 GPUs, or CPU processes in the CPU mode)."""
     def child_env() -> dict:
         # the checkout first, then what was there (WHEELS= put its private site folder on PYTHONPATH)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))

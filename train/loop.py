@@ -95,8 +95,7 @@ def fit(recipe: Recipe, target: Target | None = None, progress: bool = True) -> 
     guard_output(recipe)
     accelerator = make_accelerator(recipe)
     # before any work, on every process: one output_dir all of them see, one recipe (heads/infra/launch_checks.py)
-    check_launch(recipe.out, json.loads(json.dumps(recipe.to_dict(), default=str)), accelerator.process_index,
-                 accelerator.num_processes)
+    check_launch(recipe.out, recipe.to_dict(), accelerator.process_index, accelerator.num_processes)
     if not accelerator.is_main_process:    # the main process holds output_dir's lock for the whole run
         return _fit(recipe, accelerator, target, progress)
     with DirectoryLock(recipe.out, "training run"):

@@ -14,6 +14,7 @@ from accelerate.utils import DistributedType
 
 from draftsmith.heads.decoding.metrics import per_position_acceptance, simulated_tau, tau
 from draftsmith.heads.decoding.verifier import decode
+from draftsmith.heads.drafter import drafter_from_state
 from draftsmith.heads.registry import registry
 from draftsmith.heads.runtime.target import Target
 
@@ -70,11 +71,7 @@ def heldout_decoding(recipe, accelerator, target, model, heldout) -> dict:
     weights = accelerator.get_state_dict(model)          # every process: the shards gathered
     if not accelerator.is_main_process:
         return {}
-    copy = registry()[recipe.method](recipe.drafter, target)
-    missing, unexpected = copy.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise RuntimeError(f"the gathered {recipe.method} state does not fit a fresh drafter: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
+    copy = drafter_from_state(registry()[recipe.method], recipe.drafter, target, weights, "the gathered state")
     copy.metadata = dict(drafter.metadata)
     copy.data_is_target_greedy = getattr(drafter, "data_is_target_greedy", False)
     return decode_heldout(recipe, target, copy.to(target.device), heldout)

@@ -9,6 +9,7 @@ resolved (an override given to one node only, another recipe file) and names the
 differs.  Under one process nothing is checked."""
 from __future__ import annotations
 
+import json
 import socket
 import uuid
 from pathlib import Path
@@ -32,10 +33,11 @@ def first_difference(a, b, prefix: str = "") -> tuple[str, object, object] | Non
 
 
 def check_launch(out_dir: Path, recipe: dict, rank: int, world: int) -> None:
-    """Every process of the launch sees what rank 0 writes into out_dir, and holds the same recipe (a plain
-    dict of the resolved settings); otherwise LaunchMismatch on every process.  Needs the process group."""
+    """Every process of the launch sees what rank 0 writes into out_dir, and holds the same recipe (the dict
+    of its resolved settings); otherwise LaunchMismatch on every process.  Needs the process group."""
     if world == 1 or not dist.is_available() or not dist.is_initialized():
         return
+    recipe = json.loads(json.dumps(recipe, default=str))      # plain values, compared as the YAML would hold them
     token = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)
     marker = Path(out_dir) / f".launch-{token[0]}"
