@@ -220,11 +220,17 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
                      time.time() - began, tokens / max(time.time() - began, 1e-6))
     else:
         run.with_transformers(todo)
-    if deadline is not None and time.time() > deadline:
-        log.warning("data.max_minutes=%s reached: every finished conversation is kept; rerun to continue",
-                    settings.max_minutes)
+    capped = deadline is not None and time.time() > deadline
     bar.close(counts)
     launch.barrier()                   # every rank's shards are written
+    if capped and not any((out_dir / "shards").glob("shard-*.jsonl")):
+        raise sources.DataError(
+            f"data.max_minutes={settings.max_minutes} passed before any conversation finished: nothing was written "
+            f"(a batch of {settings.batch_size} rows, up to {settings.max_new_tokens} new tokens each, takes longer "
+            "here); raise data.max_minutes, or lower data.batch_size or data.max_new_tokens")
+    if capped:
+        log.warning("data.max_minutes=%s reached: every finished conversation is kept; rerun to continue",
+                    settings.max_minutes)
     if not launch.main:
         return None
     return finish(out_dir, settings, stats, bar.totals() if launch.world > 1 else counts, time.time() - start,
@@ -310,7 +316,7 @@ class _Run:
         engine = vllm_backend.Engine(self.target, self.settings, launch.world, launch_from_environment()[2])
         try:
             for start in range(0, len(todo), chunk):
-                if self.out_of_time() and start > 0:
+                if self.out_of_time():
                     break
                 works = [ShardWork(self.target, i, self.batches[i], self.settings, self.seed, self.counts,
                                    exclude=self.kept(i)) for i in todo[start:start + chunk]]

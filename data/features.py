@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import math
+import random
 import time
 import uuid
 from pathlib import Path
@@ -74,42 +75,100 @@ def estimate_bytes(tokens: int, layers, hidden_size: int) -> int:
 STREAM_CHUNK = 16 << 20
 
 
-def streamed_checksum(path: Path) -> str:
-    """The sha256 of the `features` tensor's bytes, read from the file in 16 MiB pieces (the same digest
-    as hashing the tensor's bytes in memory: safetensors stores it as its little-endian bytes)."""
-    digest = hashlib.sha256()
+PIECE = 1 << 20          # the stamp keeps a digest per MiB of the file, for the first-use spot check
+SPOT_PIECES = 4          # MiB read per shard per run by first-use: the first piece (header, offsets) and 3 others
+
+
+class PieceDigests:
+    """A digest per PIECE bytes of a stream (the last piece shorter), 16 hex digits each."""
+
+    def __init__(self):
+        self.digests: list[str] = []
+        self.current, self.filled = hashlib.sha256(), 0
+
+    def update(self, data) -> None:
+        data = memoryview(data).cast("B")
+        pos = 0
+        while pos < len(data):
+            take = min(PIECE - self.filled, len(data) - pos)
+            self.current.update(data[pos:pos + take])
+            self.filled, pos = self.filled + take, pos + take
+            if self.filled == PIECE:
+                self.digests.append(self.current.hexdigest()[:16])
+                self.current, self.filled = hashlib.sha256(), 0
+
+    def finish(self) -> list[str]:
+        if self.filled:
+            self.digests.append(self.current.hexdigest()[:16])
+            self.current, self.filled = hashlib.sha256(), 0
+        return self.digests
+
+
+def streamed_checksum(path: Path) -> tuple[str, list[str]]:
+    """The sha256 of the `features` tensor's bytes (the same digest as hashing the tensor's bytes in memory:
+    safetensors stores it as its little-endian bytes) and the file's piece digests, from one pass over the
+    file in 16 MiB reads (a multi-GB shard is never loaded whole)."""
+    digest, pieces = hashlib.sha256(), PieceDigests()
     with open(path, "rb") as f:
-        header_size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_size))
-        start, end = header["features"]["data_offsets"]
-        f.seek(8 + header_size + start)
-        left = end - start
-        while left > 0:
-            block = f.read(min(STREAM_CHUNK, left))
+        head = f.read(8)
+        header_size = int.from_bytes(head, "little")
+        raw = f.read(header_size)
+        header = json.loads(raw)
+        pieces.update(head)
+        pieces.update(raw)
+        start, end = (8 + header_size + o for o in header["features"]["data_offsets"])
+        pos, size = 8 + header_size, path.stat().st_size
+        while pos < size:
+            block = f.read(min(STREAM_CHUNK, size - pos))
             if not block:
-                raise CacheError(f"feature shard {path} is truncated; delete it to rebuild it")
-            digest.update(block)
-            left -= len(block)
-    return digest.hexdigest()
+                break
+            pieces.update(block)
+            lo, hi = max(start, pos), min(end, pos + len(block))
+            if lo < hi:
+                digest.update(memoryview(block)[lo - pos:hi - pos])
+            pos += len(block)
+        if pos < end:
+            raise CacheError(f"feature shard {path} is truncated; delete it to rebuild it")
+    return digest.hexdigest(), pieces.finish()
 
 
 def _stamp_path(path: Path) -> Path:
     return path.with_name(path.stem + ".verified.json")
 
 
-def _stamp(path: Path, sha256: str) -> None:
+def _stamp(path: Path, sha256: str, pieces: list[str]) -> None:
     info = path.stat()
-    write_atomic(_stamp_path(path), json.dumps({"size": info.st_size, "mtime_ns": info.st_mtime_ns, "sha256": sha256}))
+    write_atomic(_stamp_path(path), json.dumps({"size": info.st_size, "mtime_ns": info.st_mtime_ns, "sha256": sha256,
+                                                "piece": PIECE, "pieces": pieces}))
 
 
-def _stamped(path: Path, sha256: str | None) -> bool:
-    """True when a stamp says this very file (same size and modification time) was checked against `sha256`."""
+def _stamped(path: Path, sha256: str | None) -> dict | None:
+    """The stamp, when it says this very file (same size and modification time) was checked against `sha256`
+    and holds a digest per piece of it; else None."""
     try:
         stamp = json.loads(_stamp_path(path).read_text())
         info = path.stat()
     except (OSError, ValueError):
-        return False
-    return stamp == {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "sha256": sha256}
+        return None
+    if not isinstance(stamp, dict) or stamp.get("piece") != PIECE or not isinstance(stamp.get("pieces"), list):
+        return None
+    same = (stamp.get("size"), stamp.get("mtime_ns"), stamp.get("sha256")) == (info.st_size, info.st_mtime_ns, sha256)
+    return stamp if same and len(stamp["pieces"]) == -(-info.st_size // PIECE) else None
+
+
+def spot_check(path: Path, stamp: dict, count: int = SPOT_PIECES) -> str | None:
+    """None if `count` pieces of the file (the first, and others at random: different ones each run) still
+    have the digests the stamp kept; else which piece changed.  Catches bytes changed under an unchanged size
+    and modification time (bit rot, a bad copy, `touch -r`) with probability about count/pieces per run."""
+    pieces = stamp["pieces"]
+    chosen = [0, *random.SystemRandom().sample(range(1, len(pieces)), min(count - 1, len(pieces) - 1))]
+    with open(path, "rb") as f:
+        for index in chosen:
+            f.seek(index * PIECE)
+            if hashlib.sha256(f.read(PIECE)).hexdigest()[:16] != pieces[index]:
+                return (f"feature shard {path} changed since it was verified: MiB {index} of {len(pieces)} differs "
+                        "under the same size and modification time (bit rot or a bad copy)")
+    return None
 
 
 def write_shard(path: Path, per_record: list[torch.Tensor], layers, target_hash: str,
@@ -142,17 +201,21 @@ def write_shard(path: Path, per_record: list[torch.Tensor], layers, target_hash:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
+        digests = PieceDigests()
         with open(tmp, "wb") as f:
-            f.write(len(encoded).to_bytes(8, "little"))
-            f.write(encoded)
-            f.write(offsets.to(torch.int64).numpy().tobytes())     # where safetensors itself puts it: first
+            for block in (len(encoded).to_bytes(8, "little"), encoded,
+                          offsets.to(torch.int64).numpy().tobytes()):     # where safetensors puts offsets: first
+                f.write(block)
+                digests.update(block)
             for piece in pieces:
-                f.write(memoryview(piece.numpy()).cast("B"))
+                block = memoryview(piece.numpy()).cast("B")
+                f.write(block)
+                digests.update(block)
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _stamp(path, sha256)            # written from the bytes in hand: checked by construction
+    _stamp(path, sha256, digests.finish())            # from the bytes in hand: checked by construction
 
 
 def _as_bytes_view(features: torch.Tensor) -> torch.Tensor:
@@ -197,10 +260,14 @@ class ShardReader:
         if max_tokens is not None and stored is not None and stored < max_tokens:
             raise CacheError(f"feature shard {path} was cut at {stored} tokens per record, and training reads "
                              f"up to {max_tokens} (data.max_seq_len)")
-        if verify == "always" or (verify == "first-use" and not _stamped(path, meta.get("sha256"))):
-            if streamed_checksum(path) != meta.get("sha256"):
+        stamp = _stamped(path, meta.get("sha256")) if verify == "first-use" else None
+        if verify == "always" or (verify == "first-use" and stamp is None):
+            sha256, pieces = streamed_checksum(path)
+            if sha256 != meta.get("sha256"):
                 raise CacheError(f"feature shard {path} is corrupted (checksum mismatch); delete it to rebuild it")
-            _stamp(path, meta["sha256"])
+            _stamp(path, sha256, pieces)
+        elif stamp is not None and (changed := spot_check(path, stamp)):
+            raise CacheError(changed)
         self.columns = sorted(set(layers))
 
     def record(self, row: int) -> torch.Tensor:
@@ -253,13 +320,14 @@ def build_missing(target, shards: list[Path], layers, out_dir: Path, progress: b
 
 
     todo = []
-    start, checked = time.time(), 0
+    start, checked, spotted = time.time(), 0, 0
     for shard in shards:
         path = out_dir / (shard.stem + ".safetensors")
         hashed = verify == "always" or (verify == "first-use" and path.is_file() and not _stamped_file(path))
         problem = check_shard(path, layers, target.identity.weights_sha256, verify, max_tokens)
         if hashed and problem is None:
             checked += path.stat().st_size
+        spotted += verify == "first-use" and not hashed and problem is None
         if problem is not None:
             if problem != "missing":
                 log.warning("%s; rebuilding only this shard", problem)
@@ -268,6 +336,9 @@ def build_missing(target, shards: list[Path], layers, out_dir: Path, progress: b
         seconds = max(time.time() - start, 1e-6)
         log.info("feature cache: %s verified in %.1f s (%.2f GB/s, train.verify_cache=%s)", human_size(checked),
                  seconds, checked / seconds / 1e9, verify)
+    if spotted:
+        log.info("feature cache: %d verified shards spot-checked (%d MiB each, at places that vary by run) in %.2f s",
+                 spotted, SPOT_PIECES, time.time() - start)
     if not todo:
         return 0
     tokens = sum(min(len(r["input_ids"]), max_tokens or len(r["input_ids"])) for shard, _ in todo

@@ -283,7 +283,16 @@ def require_healthy(data_dir, settings) -> None:
     path = Path(data_dir) / "health.json"
     if settings.allow_degenerate or not path.is_file():
         return
-    saved = json.loads(path.read_text())
-    found = verdict(saved["total"], limits_from(settings.health))
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        total = saved["total"]
+        numbers = [total[name] for name in (*LIMITS, "replies")]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+            raise TypeError("a figure is not a number")
+    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise DegenerateData(f"{path} is damaged ({type(err).__name__}: {str(err)[:80]}): it should hold the data's "
+                             "health figures; delete it (the next `draftsmith data` run judges the data again), or "
+                             "set data.allow_degenerate=true to train without the check") from None
+    found = verdict(total, limits_from(settings.health))
     if found.stops:
         raise DegenerateData(_stop_message(saved["total"], found, f"{path}"))

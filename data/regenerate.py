@@ -113,7 +113,7 @@ class Regenerator:
     `write(index, records)` is called as each shard completes (not necessarily in index order).
     A new shard is admitted when the queue empties, so at most the live rows are in flight.
 
-    Past `deadline` (time.time()), once a shard has been written, decoding stops.  The conversations
+    Past `deadline` (time.time()) decoding stops within one decode step, a first shard written or not.  The conversations
     of the shards in flight that had finished are kept: `write_part(index, records)` writes them as a
     part of their shard, and a rerun admits the shard again without them (`exclude`), so the cap costs
     only the rows that were still decoding.  Every conversation turn samples with its own seeded
@@ -126,6 +126,7 @@ class Regenerator:
         self.written = 0
         self.stream = Stream(target, settings.max_new_tokens, rows or settings.batch_size, settings.temperature,
                              settings.top_p, capture_layers, on_tokens)
+        self.stream.deadline = deadline
         self.inflight: dict[int, ShardWork] = {}
         self.kept_parts = 0                       # finished conversations written as parts at the cap
 
@@ -172,7 +173,7 @@ class Regenerator:
 
     @property
     def out_of_time(self) -> bool:
-        return self.deadline is not None and time.time() > self.deadline and self.written > 0
+        return self.deadline is not None and time.time() > self.deadline
 
     def _drain(self, until_queue_empty: bool) -> None:
         while self.stream.busy and (not until_queue_empty or self.stream.queue) and not self.out_of_time:

@@ -201,32 +201,46 @@ def jsonl(path: str | Path, limit: int | None = None, stats: SourceStats | None 
     if not path.is_file():
         raise DataError(f"data file '{path}' does not exist")
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise DataError(f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start}); "
-                            "re-encode the file as UTF-8") from None
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as err:
-            if number - 1 == last:   # the file was cut off mid-record
-                stats.truncated_tail = True
-                log.warning("%s:%d: the last line is cut off (%s); kept the %d complete records before it",
-                            path, number, err.msg, stats.conversations)
-                return
-            raise DataError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno})") from None
-        turns, conv_id, category = record_turns(record, f"{path}:{number}")
-        conv = normalize(turns, conv_id if conv_id is not None else f"{path.stem}-{number}", stats, category)
-        if conv is not None:
-            yield conv
-            if limit is not None and stats.conversations >= limit:
-                return
+    with opener(path, "rb") as f:                   # streamed: a limit stops the reading, not only the parsing
+        number = 0
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise DataError(f"{path}:{number}: the line is more than {MAX_LINE_BYTES >> 20} MiB: a conversation "
+                                "or prompt this long is refused (no context holds it); remove or split it")
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start}); "
+                                "re-encode the file as UTF-8") from None
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as err:
+                if not raw.endswith(b"\n") or _only_blank_after(f):    # the file was cut off mid-record
+                    stats.truncated_tail = True
+                    log.warning("%s:%d: the last line is cut off (%s); kept the %d complete records before it",
+                                path, number, err.msg, stats.conversations)
+                    return
+                raise DataError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno})") from None
+            turns, conv_id, category = record_turns(record, f"{path}:{number}")
+            conv = normalize(turns, conv_id if conv_id is not None else f"{path.stem}-{number}", stats, category)
+            if conv is not None:
+                yield conv
+                if limit is not None and stats.conversations >= limit:
+                    return
+
+
+MAX_LINE_BYTES = 8 << 20       # one JSONL record: 2M tokens or so, beyond any target's context
+
+
+def _only_blank_after(f) -> bool:
+    """Nothing but whitespace is left in the file (read in bounded pieces)."""
+    while piece := f.read(1 << 20):
+        if piece.strip():
+            return False
+    return True
 
 
 def from_disk(path: str | Path, limit: int | None = None, stats: SourceStats | None = None) -> Iterator[Conversation]:

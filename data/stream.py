@@ -13,6 +13,8 @@ one-by-one decoding token for token (tests/test_data.py).
 """
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 
 import torch
@@ -164,6 +166,8 @@ class Stream:
         """Decode until at least one job finishes (or nothing is left); returns (key, Generation) for each."""
         finished: list[Job] = []
         while not finished and self.busy:
+            if self.deadline is not None and time.time() > self.deadline:
+                break                              # data.max_minutes: the caller keeps what finished
             if not self.live or self.cache is None:
                 self._pending = None
                 finished += self._refill()
@@ -184,6 +188,7 @@ class Stream:
         return [(job.key, self._result(job)) for job in finished]
 
     _pending: torch.Tensor | None = None
+    deadline: float | None = None            # time.time() past which run() returns what finished, maybe nothing
 
     def _shrink(self) -> None:
         keep = [i for i, job in enumerate(self.live) if not self._done(job)]

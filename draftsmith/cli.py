@@ -298,8 +298,22 @@ VERBS = {"data": cmd_data, "train": cmd_train, "eval": cmd_eval, "bench": cmd_be
          "import": cmd_import}
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with key=value overrides accepted anywhere among the flags (`train R --dry-run
+    train.lr=1` as `train R train.lr=1 --dry-run`), in the order given, for every verb that takes them."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    late = [a for a in extra if "=" in a and not a.startswith("-")]
+    if late and hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *late]
+        extra = [a for a in extra if a not in late]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     quiet_libraries()

@@ -123,15 +123,21 @@ def cmd_push(args) -> dict:
     from huggingface_hub import HfApi, get_token
 
     from draftsmith.export.hub import push_folder
+    from draftsmith.export.staging import PushError
     from draftsmith.heads.drafter import read_config
+    from draftsmith.heads.infra.files import human_size
 
     read_config(Path(args.checkpoint))                      # not a checkpoint: named before anything else
     if not get_token():
         raise PushError("no Hugging Face token: log in with `hf auth login` or set HF_TOKEN; nothing was uploaded")
     formats = tuple(f for f in (args.export or "").split(",") if f)
     with tempfile.TemporaryDirectory(prefix="draftsmith-push-") as tmp:
-        folder = push_folder(Path(args.checkpoint), Path(tmp) / "folder", formats)
+        folder, redactions = push_folder(Path(args.checkpoint), Path(tmp) / "folder", formats)
         files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+        total = sum((folder / f).stat().st_size for f in files)
+        for line in redactions:
+            print(f"redacted {line}")
+        print(f"uploading {len(files)} files, {human_size(total)} in all: {', '.join(files)}")
         api = HfApi()
         try:
             api.create_repo(args.repo_id, private=args.private, exist_ok=True)
@@ -144,7 +150,3 @@ def cmd_push(args) -> dict:
                             "push again") from None
     print(f"pushed {len(files)} files to https://huggingface.co/{args.repo_id}")
     return {"repo_id": args.repo_id, "files": files, "commit": str(getattr(info, "oid", info))}
-
-
-class PushError(ValueError):
-    """A push that cannot start, or an upload that failed (nothing uploaded)."""

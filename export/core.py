@@ -13,17 +13,19 @@ writes the ids explicitly, and leaves a README.md with the serving command.
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from draftsmith.heads.drafter import checkpoint_target, read_config, read_weights, target_path
 from draftsmith.heads.formats import ExportError, check_shapes, export_formats, formats_of, layout
 from draftsmith.heads.infra.device import resolve_device
-from draftsmith.heads.infra.files import as_disk_full, require_free_space, swap_directory
-from draftsmith.heads.infra.outputs import EXPORT_MARK, checkpoint_around, holds  # the mark --overwrite may replace
+from draftsmith.heads.infra.files import (as_disk_full, current_umask, require_free_space, save_tensors,
+                                          swap_directory)
+from draftsmith.heads.infra.outputs import EXPORT_MARK, checkpoint_around, export_manifest, holds
 from draftsmith.heads.runtime.target import TargetIdentity
 
 
@@ -87,10 +89,12 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
         for name, content in files.items():
             (tmp / name).write_text(content if isinstance(content, str) else json.dumps(content, indent=2) + "\n")
         for filename, state in tensors.items():
-            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / filename), metadata={"format": "pt"})
+            save_tensors({k: v.contiguous() for k, v in state.items()}, tmp / filename, metadata={"format": "pt"})
         if with_target:             # base + adapter merged: a plain model any stack serves
             target.model.to(_dtype(dtype)).save_pretrained(tmp / "target", safe_serialization=True)
             target.tokenizer.save_pretrained(tmp / "target")
+            for written in (tmp / "target").rglob("*.safetensors"):
+                os.chmod(written, 0o666 & ~current_umask())
         swap_directory(tmp, out_dir)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -114,22 +118,81 @@ def serving_note(report_path: str | Path, config: dict, writer) -> str:
     if report.get("kind") != config["kind"]:
         raise ExportError(f"--serving-config {report_path} measured a {report.get('kind')} drafter, not this "
                           f"{config['kind']} checkpoint: bench this checkpoint with --engine vllm")
-    spec = dict(chosen["speculative_config"])
-    if spec and spec.get("method") != writer.method:
-        raise ExportError(f"--serving-config {report_path} measured vLLM's method {spec.get('method')}, and a "
-                          f"'{writer.name}' export is not served with that speculative_config: export --to vllm")
+    spec = _checked_spec(chosen, report_path, config, writer)
+    why = chosen.get("why")
+    if not isinstance(why, str) or not why.strip() or len(why) > 500:
+        raise ExportError(f"--serving-config {report_path}: its serving_config has no 'why' sentence (a string "
+                          "under 500 characters): give the report.json that `draftsmith bench --engine vllm` wrote")
+    why = " ".join(why.split()).replace("`", "'")
     if not spec:
         body = "Speculation lost at every load level measured: serve the target without this drafter."
     else:
-        body = ("```bash\nvllm serve TARGET_DIR --speculative-config '"
-                + json.dumps({**spec, "model": "THIS_DIR"}) + "'\n```")
+        body = ("```bash\nvllm serve TARGET_DIR --speculative-config "
+                + shlex.quote(json.dumps({**spec, "model": "THIS_DIR"})) + "\n```")
+    source = shlex.quote(str(report.get("checkpoint")))[:300].replace("`", "'")
     return f"""
 ## Serving config measured by draftsmith bench
 
-From `{report_path}` ({report.get('engine', 'vLLM')}, checkpoint `{report.get('checkpoint')}`): {chosen['why']}.
+From `{Path(report_path).name}` (vLLM, checkpoint `{source}`): {why}.
 
 {body}
 """
+
+
+SPEC_KEYS = {"method": str, "num_speculative_tokens": int, "parallel_drafting": bool, "draft_tensor_parallel_size": int,
+             "prompt_lookup_max": int, "prompt_lookup_min": int}
+
+
+def drafter_depth(config: dict) -> int:
+    """The most tokens this drafter proposes in one step (its tree's depth, heads, unrolled steps or block)."""
+    d = config.get("drafter") or {}
+    tree = d.get("tree") or {}
+    return max(int(tree.get("depth") or 0), int(d.get("num_heads") or 0), int(d.get("ttt_steps") or 0),
+               int(d.get("block_size") or 1) - 1, 1)
+
+
+def _check_schedule(schedule, where: str, depth: int) -> None:
+    """[[first batch size, last, K or 0], ...]: ascending, positive, K from 0 to the drafter's depth."""
+    ok = isinstance(schedule, list) and 0 < len(schedule) <= 64
+    last = 0
+    for entry in schedule if ok else ():
+        ok = (isinstance(entry, list) and len(entry) == 3 and all(type(v) is int for v in entry)
+              and entry[0] == last + 1 and entry[0] <= entry[1] <= 1 << 20 and 0 <= entry[2] <= depth)
+        if not ok:
+            break
+        last = entry[1]
+    if not ok:
+        raise ExportError(f"{where}: num_speculative_tokens_per_batch_size is not a list of [first batch size, last, "
+                          f"K] with ascending sizes from 1 and K from 0 to {depth}; the report was edited or damaged")
+
+
+def _checked_spec(chosen: dict, report_path, config: dict, writer) -> dict:
+    """The measured speculative_config, each value of a known key, type and range (K from 1 to the drafter's
+    depth), or an error naming it."""
+    spec = chosen.get("speculative_config")
+    where = f"--serving-config {report_path}"
+    if not isinstance(spec, dict):
+        raise ExportError(f"{where}: its serving_config has no speculative_config object: give the report.json "
+                          "that `draftsmith bench CHECKPOINT --engine vllm` wrote")
+    for key, value in spec.items():
+        if key == "num_speculative_tokens_per_batch_size":
+            _check_schedule(value, where, drafter_depth(config))
+            continue
+        kind = SPEC_KEYS.get(key)
+        if kind is None:
+            raise ExportError(f"{where}: speculative_config has '{str(key)[:40]}', which draftsmith does not write; "
+                              "the report was edited or is not a draftsmith bench report")
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ExportError(f"{where}: speculative_config's {key} is {str(value)[:40]!r}, not a {kind.__name__}")
+    if spec and spec.get("method") != writer.method:
+        raise ExportError(f"{where} measured vLLM's method {str(spec.get('method'))[:40]}, and a '{writer.name}' "
+                          "export is not served with that speculative_config: export --to vllm")
+    depth = drafter_depth(config)
+    k = spec.get("num_speculative_tokens")
+    if spec and (k is None or not 1 <= k <= depth):
+        raise ExportError(f"{where}: num_speculative_tokens is {k}, outside 1..{depth} (this drafter proposes at "
+                          "most that many tokens a step)")
+    return dict(spec)
 
 
 def adapter_note(config: dict) -> str:
@@ -178,7 +241,12 @@ def check_destination(checkpoint: Path, out_dir: Path, overwrite: bool) -> None:
                           "never writes into a checkpoint; choose a directory outside it")
     if not out_dir.exists() or not any(out_dir.iterdir()):
         return
-    if not (out_dir / EXPORT_MARK).is_file():
+    manifest, problem = export_manifest(out_dir)
+    if problem:
+        raise ExportError(f"'{out_dir}' is not empty and its export manifest is damaged ({problem}): --overwrite "
+                          "replaces only a folder a draftsmith export wrote; move its files away or choose a new "
+                          "directory")
+    if manifest is None:
         held = sorted(name for name in PROTECTED if (out_dir / name).exists())
         raise ExportError(f"'{out_dir}' is not empty and is not an earlier draftsmith export"
                           + (f" (it holds {', '.join(held)})" if held else "")

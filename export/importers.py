@@ -21,7 +21,7 @@ from draftsmith.heads.card import write_card
 from draftsmith.heads.drafter import save_drafter
 from draftsmith.heads.formats import ExportFormat, ImportFormatError, import_formats
 from draftsmith.heads.infra.files import as_disk_full, swap_directory
-from draftsmith.heads.infra.outputs import EXPORT_MARK, IMPORT_KEY
+from draftsmith.heads.infra.outputs import EXPORT_MARK, IMPORT_KEY, export_manifest
 from draftsmith.heads.registry import registry
 from draftsmith.heads.runtime.identity import TargetError, TargetIdentity
 from draftsmith.heads.runtime.target import Target
@@ -74,27 +74,21 @@ def _declaring() -> list[type]:
 
 
 def _manifest(source: Path) -> dict:
-    """draftsmith's export manifest ({} for an export draftsmith did not write, or a damaged one)."""
-    try:
-        manifest = json.loads((Path(source) / EXPORT_MARK).read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return {}
-    return manifest if isinstance(manifest, dict) else {}
+    """draftsmith's export manifest ({} for an export draftsmith did not write); a damaged one is named."""
+    manifest, problem = export_manifest(source)
+    if problem:
+        raise ImportError_(f"'{source}' has a damaged draftsmith export manifest ({problem}): export it again, or "
+                           f"delete {EXPORT_MARK} to import the export by its config alone")
+    return manifest or {}
 
 
 def check_format(source: Path, config: dict, fmt: str) -> bool:
     """--from must agree with what the export says it is: draftsmith's own manifest, and the drafter whose
     formats recognise its config.  True when draftsmith's manifest confirms the format."""
-    manifest_file = Path(source) / EXPORT_MARK
-    written = None
-    if manifest_file.is_file():
-        try:
-            written = json.loads(manifest_file.read_text(encoding="utf-8")).get("format")
-        except (ValueError, UnicodeDecodeError, AttributeError):
-            written = None
-        if written and written != fmt:
-            raise ImportError_(f"'{source}' was exported by draftsmith as '{written}' ({EXPORT_MARK}), not '{fmt}': "
-                               f"import it with --from {written}")
+    written = _manifest(source).get("format")
+    if written and written != fmt:
+        raise ImportError_(f"'{source}' was exported by draftsmith as '{written}' ({EXPORT_MARK}), not '{fmt}': "
+                           f"import it with --from {written}")
     _reader(source, config, fmt)
     return bool(written and written == fmt)
 

@@ -40,7 +40,7 @@ from torch import nn
 from draftsmith.heads.contract import DrafterBase
 from draftsmith.heads.decoding.dynamic_tree import TreeSettings
 from draftsmith.heads.decoding.parallel import clamp_depth, parallel_tree, resolve_mask_token
-from draftsmith.heads.draft_vocab import add_draft_vocabulary, d2t_offsets, set_draft_map
+from draftsmith.heads.draft_vocab import add_draft_vocabulary, d2t_offsets, set_draft_map, t2d_mask
 from draftsmith.heads.drafter import DraftContext, StepOutput, divide, term_denominators
 from draftsmith.heads.eagle3_layout import target_architecture, verifier_path
 from draftsmith.heads.dflash_layer import BlockLayer, dflash_layout
@@ -360,6 +360,8 @@ def _tensors(config, weights, dtype, fmt) -> dict:
     draft = weights[VOCABULARY].long()
     if draft.numel() != config["target"]["vocab_size"]:     # vLLM loads d2t only for a smaller draft vocabulary
         out["d2t"] = d2t_offsets(draft)
+        # speculators slices the verifier's lm_head by t2d (vLLM skips it), as in EAGLE-3's layout
+        out["t2d"] = t2d_mask(draft, config["target"]["vocab_size"])
     return cast(out, dtype)
 
 

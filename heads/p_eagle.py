@@ -149,7 +149,9 @@ def _tensors(config, weights, dtype, fmt):
                           "parallel_drafting refuses it; train a p_eagle drafter (drafter.init_from= this "
                           "EAGLE-3 checkpoint) or export it as EAGLE-3")
     out = eagle3_tensors(config, weights, dtype, fmt)
-    out[MASK] = weights[MASK].to(dtype).reshape(1, -1)
+    # vLLM views mask_hidden as [1, 3T]; speculators' PEagleDraftModel holds [1, 1, 3T] and refuses another shape
+    shape = (1, 1, -1) if fmt == "speculators" else (1, -1)
+    out[MASK] = weights[MASK].to(dtype).reshape(*shape)
     return out
 
 

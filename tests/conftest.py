@@ -260,3 +260,21 @@ def save_lora(model, out: Path, seed: int = 0, **config) -> Path:
                 p.normal_(0, 0.5)
     peft_model.save_pretrained(out)
     return out
+
+
+def fake_hub(monkeypatch) -> dict:
+    """`push` without a network: a token, create_repo a no-op, and upload_folder recording each file it is
+    given (seen["files"]: name -> bytes)."""
+    from huggingface_hub import HfApi
+
+    seen = {}
+
+    def upload_folder(self, folder_path, repo_id, commit_message=None, **kwargs):
+        folder = Path(folder_path)
+        seen["files"] = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        return "commit"
+
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, *a, **k: None)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    return seen

@@ -360,7 +360,9 @@ def test_continuous_batching_samples_do_not_depend_on_the_batch(tiny_target):
     assert len({tuple(t) for t in three}) > 1                   # and they are samples, not one reply
 
 
-def test_past_the_time_cap_shards_in_flight_are_left_unwritten_after_the_first(tiny_target):
+def test_past_the_time_cap_shards_in_flight_are_left_unwritten_even_before_the_first(tiny_target):
+    """The cap holds within one decode step, a shard written yet or not: shards in flight are left for a
+    rerun (their finished conversations go to parts, tested below), never half-written."""
     import time as clock
 
     from draftsmith.data.regenerate import Regenerator
@@ -372,12 +374,18 @@ def test_past_the_time_cap_shards_in_flight_are_left_unwritten_after_the_first(t
     written = []
     counts = {"generated_tokens": 0, "skipped_long_prompts": 0, "truncated_prompts": 0}
     engine = Regenerator(tiny_target, settings, 0, counts, None, (), lambda i, r: written.append((i, len(r))),
-                         deadline=clock.time() - 1)                   # already past
-    engine.admit(0, convs[:3])                 # nothing written yet: the first shard still completes
-    assert written == [(0, 3)] and engine.out_of_time
+                         deadline=clock.time() + 3600)
+    engine.admit(0, convs[:3])                 # in time: the first shard completes
+    assert written == [(0, 3)] and not engine.out_of_time
+    engine.deadline = engine.stream.deadline = clock.time() - 1                # now past
     engine.admit(1, convs[3:6])
     engine.finish()
     assert written == [(0, 3)] and list(engine.inflight) == [1]      # left for a rerun, not half-written
+    late = Regenerator(tiny_target, settings, 0, counts, None, (), lambda i, r: written.append((i, len(r))),
+                       deadline=clock.time() - 1)                    # past before anything was written
+    late.admit(2, convs[6:])
+    late.finish()
+    assert written == [(0, 3)] and list(late.inflight) == [2]
 
 
 def test_at_the_time_cap_finished_conversations_are_kept_and_a_rerun_makes_the_rest(tiny_target_dir, tmp_path,

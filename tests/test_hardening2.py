@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import chats_file, eagle3_checkpoint, medusa_checkpoint, tiny_recipe
+from conftest import chats_file, eagle3_checkpoint, fake_hub, medusa_checkpoint, tiny_recipe
 from draftsmith.cli import main
 from draftsmith.export import export
 
@@ -171,7 +171,7 @@ def test_2_export_on_a_full_disk_leaves_nothing(tiny_target, tmp_path, capsys, m
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(core, "save_file", full)
+    monkeypatch.setattr(core, "save_tensors", full)
     code, line = run_cli(capsys, "export", tmp_path / "ckpt", "--to", "vllm", tmp_path / "exports" / "x")
     assert code == 2 and "the disk is full writing the export" in line
     assert not (tmp_path / "exports").exists() and leftovers(tmp_path) == []
@@ -307,16 +307,7 @@ def test_11_push_uploads_an_allowlist_without_local_paths(trained, tiny_target, 
     (checkpoint / "adapter" / "stray.pt").write_bytes(b"pickle")
     (checkpoint / "notes.txt").write_text("mine")
     before = snapshot(checkpoint)
-    seen = {}
-
-    def upload_folder(self, folder_path, repo_id, commit_message=None, **kwargs):
-        folder = Path(folder_path)
-        seen["files"] = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-        return "commit"
-
-    monkeypatch.setenv("HF_TOKEN", "hf_test")
-    monkeypatch.setattr(HfApi, "create_repo", lambda self, *a, **k: None)
-    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    seen = fake_hub(monkeypatch)
     code, out = run_cli(capsys, "push", checkpoint, "me/x", "--export", "vllm")
     assert code == 0, out
     names = set(seen["files"])

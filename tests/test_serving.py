@@ -79,6 +79,36 @@ def vllm_python() -> str:
     return str(python)
 
 
+SPECULATORS_VERSION = "0.9.0"
+
+
+@pytest.fixture(scope="session")
+def speculators_python(vllm_python) -> str:
+    """The `speculators` library (the format's definition) beside vLLM, whose transformers pin it shares (<= 5.19).
+    Installed with --no-deps: its other requirements (pydantic, loguru, datasets...) come with vLLM, except
+    hs-connectors, which it imports at load; torchvision/torchaudio, which it names, are not needed to load."""
+    stamp = Path(vllm_python).parents[1] / f".speculators-{SPECULATORS_VERSION}"
+    if not stamp.exists():
+        subprocess.run([vllm_python, "-m", "pip", "install", "--quiet", "--no-deps",
+                        f"speculators=={SPECULATORS_VERSION}", f"hs-connectors=={SPECULATORS_VERSION}"], check=True)
+        stamp.touch()
+    return vllm_python
+
+
+def test_the_speculators_library_loads_each_speculators_export(default_run, speculators_python, tmp_path):
+    """speculators' own SpeculatorModel.from_pretrained loads EAGLE-3, P-EAGLE and DFlash exports, and every
+    tensor it holds equals the one written (the verifier's embedding and head it adds are not compared)."""
+    kinds = {"eagle3": "Eagle3DraftModel", "p_eagle": "PEagleDraftModel", "dflash": "DFlashDraftModel"}
+    exports = [str(export(default_run[kind], "speculators", tmp_path / kind, dtype="float32")) for kind in kinds]
+    done = subprocess.run([speculators_python, str(REPO / "tests" / "speculators_load.py"), *exports],
+                          capture_output=True, text=True, timeout=600)
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    print("\n" + "\n".join(json.dumps(r) for r in results))
+    assert done.returncode == 0 and len(results) == 3, (done.stdout + done.stderr)[-3000:]
+    for kind, result in zip(kinds, results):
+        assert result["class"] == kinds[kind] and result["compared"] >= 10 and not result["differ"]
+
+
 @pytest.fixture(scope="session")
 def target():
     return Target.load("smollm2-135m", "float32")
@@ -109,9 +139,9 @@ def vllm_plain(vllm_python, target, prompts, tmp_path_factory):
     return serve(vllm_python, prompts[1], tmp_path_factory.mktemp("plain") / "plain.json")
 
 
-# P-EAGLE's and DFlash's speculators exports are served the same way (P-EAGLE's passed, tau equal to draftsmith's); they are
-# left out of the default run to keep the suite's time: their configs and weights are checked by
-# tests/test_p_eagle.py and tests/test_dflash.py, and `pytest tests/test_serving.py -k speculators` with SPECULATORS=1 serves them.
+# P-EAGLE's and DFlash's speculators exports are served the same way (P-EAGLE's passed, tau equal to draftsmith's); serving
+# them is left out of the default run to keep the suite's time (the speculators library loads all three above, tensor by
+# tensor), and `pytest tests/test_serving.py -k speculators` with SPECULATORS=1 serves them.
 FORMATS = [("medusa", "vllm"), ("eagle3", "vllm"), ("eagle3", "speculators"), ("p_eagle", "vllm"), ("dflash", "vllm")]
 if os.environ.get("SPECULATORS") == "1":
     FORMATS += [("p_eagle", "speculators"), ("dflash", "speculators")]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import logging
 import pickle
 import random
 import shutil
@@ -31,11 +32,13 @@ from draftsmith.heads.runtime.target import TargetIdentity
 
 from .settings import Recipe, RecipeError, save_recipe
 
+log = logging.getLogger(__name__)
+
 # Recipe keys that may change between a save and a resume.
 RESUME_FREE = {"resume", "overwrite", "output_dir", "eval", "train.max_steps", "train.max_minutes", "train.epochs",
                "train.report_to", "train.wandb_project", "train.log_every", "train.save_every", "train.eval_every",
                "data.max_minutes", "target.device", "train.dist_timeout_minutes", "train.verify_cache",
-               "train.loader_workers", "train.gradient_checkpointing"}
+               "train.loader_workers", "train.gradient_checkpointing", "train.allow_reshard"}
 
 
 def guard_output(recipe: Recipe) -> None:
@@ -86,7 +89,8 @@ def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimiz
             elif sharding == "fsdp":          # gathered whole, keyed by parameter name
                 torch.save(optimizer_state, tmp / "state" / FSDP_OPTIMIZER)
             (tmp / "state" / "scheduler.json").write_text(json.dumps(_scheduler_state(scheduler)))  # the directory
-            (tmp / "state" / "progress.json").write_text(json.dumps({**progress, "sharding": sharding}))  # is swapped
+            shape = launch_shape(recipe, accelerator.num_processes)
+            (tmp / "state" / "progress.json").write_text(json.dumps({**progress, "sharding": sharding, **shape}))
             write_card(tmp)
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -133,6 +137,33 @@ def checkpoint_bytes(drafter) -> int:
     weights = sum(p.numel() * p.element_size() for p in own.values())
     moments = sum(p.numel() * 8 for p in own.values() if p.requires_grad)
     return weights + moments + (1 << 20)
+
+
+def launch_shape(recipe: Recipe, world_size: int) -> dict:
+    """The processes and the global batch (records per optimizer step) a run trains with."""
+    return {"world_size": world_size, "global_batch": recipe.train.batch_size * recipe.train.grad_accum * world_size}
+
+
+def check_reshard(found: Path, progress: dict, recipe: Recipe, world_size: int) -> None:
+    """A resume under the launch shape it was saved with, or train.allow_reshard=true (the data position is
+    then carried over in examples).  A checkpoint older than the recorded shape counts its rank RNG files."""
+    saved_world = progress.pop("world_size", None) or len(list((found / "state").glob("rng-*.pt"))) or None
+    progress.pop("global_batch", None)
+    now = launch_shape(recipe, world_size)
+    if saved_world is None or saved_world == world_size:
+        return
+    saved = launch_shape(recipe, saved_world)
+    if not recipe.train.allow_reshard:
+        raise ValueError(f"cannot resume {found}: it was saved by {saved_world} processes (global batch "
+                         f"{saved['global_batch']}) and this launch has {world_size} (global batch "
+                         f"{now['global_batch']}); launch {saved_world} processes, or pass train.allow_reshard=true "
+                         "to continue with the new shape deliberately")
+    examples = progress["batch_in_epoch"] * saved_world
+    accum = recipe.train.grad_accum
+    progress["batch_in_epoch"] = examples // world_size // accum * accum
+    log.warning("resuming %s saved by %d processes under %d (train.allow_reshard=true): the global batch goes from "
+                "%d to %d; the epoch continues at batch %d", found, saved_world, world_size, saved["global_batch"],
+                now["global_batch"], progress["batch_in_epoch"])
 
 
 def sharding_of(accelerator) -> str | None:
@@ -198,6 +229,7 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
                          + "; ".join(diffs) + "). Use the same settings, or another output_dir")
     progress = json.loads((found / "state" / "progress.json").read_text())
     sharding, saved_sharding = sharding_of(accelerator), progress.pop("sharding", None)
+    check_reshard(found, progress, recipe, accelerator.num_processes)
     if sharding == "deepspeed" or saved_sharding == "deepspeed":
         raise ValueError(f"cannot resume {found} under DeepSpeed: its optimizer state is sharded in DeepSpeed's "
                          "own pickled format, which draftsmith does not load. Its weights are whole: resume "

@@ -43,7 +43,7 @@ from .settings import Recipe, loader_workers
 log = logging.getLogger(__name__)
 
 
-class TrainingError(RuntimeError):
+class TrainingError(ValueError):
     """Training cannot go on (non-finite loss, inconsistent resume)."""
 
 
@@ -188,8 +188,9 @@ class Window:
     too (its step and value) and raised at the next log step or checkpoint, whichever comes first, so
     no checkpoint is ever written after it."""
 
-    def __init__(self, device):
+    def __init__(self, device, first_step: int = 0, cache_note: str = ""):
         self.device = device
+        self.first_step, self.cache_note = first_step, cache_note   # a bad first step: the cache named
         self.unflushed_tokens = torch.zeros((), dtype=torch.long, device=device)   # for state["tokens"]
         self.first_bad_step = torch.full((), -1, dtype=torch.long, device=device)
         self.first_bad_loss = torch.zeros((), device=device)
@@ -217,9 +218,11 @@ class Window:
         """One wait for the device: the non-finite check, and this process's tokens into `state`."""
         bad = int(self.first_bad_step)
         if bad >= 0:
+            cause = (self.cache_note if bad == self.first_step and self.cache_note else
+                     "lower train.lr or check the data")
             raise TrainingError(
                 f"the loss became {float(self.first_bad_loss)} at step {bad}: training stopped. The last good "
-                f"checkpoint ({checkpoint_dir}) is kept; lower train.lr or check the data, then resume=true")
+                f"checkpoint ({checkpoint_dir}) is kept; {cause}, then resume=true")
         state["tokens"] += int(self.unflushed_tokens)
         self.unflushed_tokens.zero_()
 
@@ -232,7 +235,11 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
     log_path = recipe.out / "logs" / "train.jsonl"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     history: list[dict] = []
-    window = Window(accelerator.device)
+    unhashed = settings.features == "cache" and settings.verify_cache != "always"
+    window = Window(accelerator.device, state["step"], (
+        "at the first step of this run a damaged feature cache is the likely cause (this run hashed only parts of "
+        f"it: train.verify_cache={settings.verify_cache}): run again with train.verify_cache=always, which "
+        "rebuilds any shard whose bytes changed; otherwise lower train.lr or check the data") if unhashed else "")
     clock.restart(state["seconds"])        # the steps begin now (a resume: after the seconds trained before)
     stopped_by = "epochs"
     done = state["step"] >= total_steps

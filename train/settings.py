@@ -142,6 +142,9 @@ class TrainSettings:
     verify_cache: str = "first-use"
     """When the feature cache's checksums are recomputed: first-use (once per shard, the first run that
     reads it; a stamp beside it records the check), always (every run) or never (header checks only)."""
+    allow_reshard: bool = False
+    """Resume under another number of processes (hence another global batch) than the run was saved with:
+    refused unless true.  The data position is carried over in examples (batches x processes)."""
     gradient_checkpointing: bool = False
     """Recompute the drafter's activations (EAGLE's draft layer per test-time step, Medusa-2's backbone)
     in backward instead of keeping them: less memory at long sequences, the same gradients, more time."""

@@ -64,12 +64,25 @@ def keep_report(write, destination: Path, what: str, text, is_file: bool = False
                                                    f"{kept}, nothing measured is lost") from None
 
 
+def save_tensors(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
+    """safetensors' save_file, with the mode any other file gets here (save_file creates 0600 whatever the
+    umask, so a serving container running as another user could not read the weights)."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save_tensors_atomic(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
-    """safetensors' save_file, through a temporary file and a rename."""
+    """safetensors' save_file (`save_tensors`), through a temporary file and a rename."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
+        save_tensors(tensors, tmp, metadata=metadata)
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)

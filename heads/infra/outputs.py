@@ -26,6 +26,30 @@ def _json(path: Path) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+MANIFEST_TARGET = {"name": str, "model_type": str, "vocab_size": int, "hidden_size": int, "num_layers": int,
+                   "weights_sha256": str}
+
+
+def export_manifest(directory: str | Path) -> tuple[dict | None, str]:
+    """draftsmith's export manifest in `directory` and "", or None and what is wrong with it ("" when there is
+    none).  A manifest names a format, a dtype and the target the export was made for."""
+    path = Path(directory) / EXPORT_MARK
+    if not path.is_file():
+        return None, ""
+    if path.stat().st_size > 1 << 20:
+        return None, f"{path} is {path.stat().st_size} bytes, not a manifest"
+    manifest = _json(path)
+    if manifest is None:
+        return None, f"{path} is not a JSON object"
+    for key, kind in (("format", str), ("dtype", str), ("target", dict)):
+        if not isinstance(manifest.get(key), kind):
+            return None, f"{path} has no {key} {kind.__name__} (found {str(manifest.get(key))[:60]!r})"
+    wrong = [k for k, kind in MANIFEST_TARGET.items() if not isinstance(manifest["target"].get(k), kind)]
+    if wrong:
+        return None, f"{path}'s target lacks {', '.join(wrong)}"
+    return manifest, ""
+
+
 def kind_of(path: str | Path) -> str | None:
     """What `path` holds: None (missing or an empty directory), "checkpoint", "imported checkpoint",
     "run" (a train/data output_dir), "export", "bench report", "eval report", or "other"."""
@@ -37,7 +61,7 @@ def kind_of(path: str | Path) -> str | None:
         return "eval report" if report is not None and "tau" in report and "checkpoint" in report else "other"
     if not any(path.iterdir()):
         return None
-    if (path / EXPORT_MARK).is_file():
+    if export_manifest(path)[0] is not None:
         return "export"
     config = _json(path / "config.json") if (path / "config.json").is_file() else None
     if config is not None and {"kind", "drafter", "target"} <= config.keys():

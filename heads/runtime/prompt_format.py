@@ -17,16 +17,26 @@ class TemplateError(ValueError):
 
 
 TEMPLATE_SYNTAX = ("{{", "{%")
+TEMPLATE_LIMIT = 1 << 20       # the largest chat templates shipped with models are tens of KiB
 
 
 def template_text(template: str, where: str = "target.chat_template") -> str:
     """The Jinja source `template` stands for: the text itself when it holds template syntax ({{ or {%),
     else the file it names, which must exist and hold a template.  Either is compiled here, in the sandbox
     transformers renders with, so a syntax error is named before anything loads."""
+    if len(template) > TEMPLATE_LIMIT:
+        raise TemplateError(f"{where} is {len(template) >> 10} KiB of text: a chat template is at most "
+                            f"{TEMPLATE_LIMIT >> 20} MiB (real ones are tens of KiB); give the template itself")
     if any(mark in template for mark in TEMPLATE_SYNTAX):
         source, origin = template, "the inline template"
     else:
         path = Path(template).expanduser()
+        if path.is_dir():
+            raise TemplateError(f"{where} '{template}' is a directory: give the template file in it (a .jinja "
+                                "file), an inline Jinja template, or none (plain text, for base models)")
+        if path.is_file() and path.stat().st_size > TEMPLATE_LIMIT:
+            raise TemplateError(f"{where} '{template}' is {path.stat().st_size >> 20} MiB: a chat template is at "
+                                f"most {TEMPLATE_LIMIT >> 20} MiB (real ones are tens of KiB); is it the right file?")
         if not path.is_file():
             raise TemplateError(f"{where} '{template}' is neither a file nor a template: no such file, and no "
                                 "{{ or {% in it; give an existing .jinja file, an inline Jinja template, or none "
