@@ -229,7 +229,6 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
                          + "; ".join(diffs) + "). Use the same settings, or another output_dir")
     progress = json.loads((found / "state" / "progress.json").read_text())
     sharding, saved_sharding = sharding_of(accelerator), progress.pop("sharding", None)
-    check_reshard(found, progress, recipe, accelerator.num_processes)
     if sharding == "deepspeed" or saved_sharding == "deepspeed":
         raise ValueError(f"cannot resume {found} under DeepSpeed: its optimizer state is sharded in DeepSpeed's "
                          "own pickled format, which draftsmith does not load. Its weights are whole: resume "
@@ -238,6 +237,7 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
         name = {None: "one process or DDP", "fsdp": "FSDP"}
         raise ValueError(f"cannot resume {found}: it was saved under {name[saved_sharding]} and this run uses "
                          f"{name[sharding]}; launch it the way it was saved")
+    check_reshard(found, progress, recipe, accelerator.num_processes)
     drafter = accelerator.unwrap_model(model)
     saved_identity = TargetIdentity.from_dict(read_config(found)["target"])
     if drafter.trains_target_adapter:       # Medusa-2: its LoRA is restored below
