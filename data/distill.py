@@ -223,18 +223,24 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
     capped = deadline is not None and time.time() > deadline
     bar.close(counts)
     launch.barrier()                   # every rank's shards are written
-    if capped and not any((out_dir / "shards").glob("shard-*.jsonl")):
-        raise sources.DataError(
-            f"data.max_minutes={settings.max_minutes} passed before any conversation finished: nothing was written "
-            f"(a batch of {settings.batch_size} rows, up to {settings.max_new_tokens} new tokens each, takes longer "
-            "here); raise data.max_minutes, or lower data.batch_size or data.max_new_tokens")
     if capped:
-        log.warning("data.max_minutes=%s reached: every finished conversation is kept; rerun to continue",
-                    settings.max_minutes)
+        _report_cap(out_dir, settings)
     if not launch.main:
         return None
     return finish(out_dir, settings, stats, bar.totals() if launch.world > 1 else counts, time.time() - start,
                   target)
+
+
+def _report_cap(out_dir: Path, settings: DataSettings) -> None:
+    """After data.max_minutes: a warning that the finished conversations are kept, or an error when none had
+    finished (checked after the launch's barrier, on the shared output_dir, so every rank agrees)."""
+    if not any((out_dir / "shards").glob("shard-*.jsonl")):
+        raise sources.DataError(
+            f"data.max_minutes={settings.max_minutes} passed before any conversation finished: nothing was written "
+            f"(a batch of {settings.batch_size} rows, up to {settings.max_new_tokens} new tokens each, takes longer "
+            "here); raise data.max_minutes, or lower data.batch_size or data.max_new_tokens")
+    log.warning("data.max_minutes=%s reached: every finished conversation is kept; rerun to continue",
+                settings.max_minutes)
 
 
 class _Run:

@@ -227,6 +227,15 @@ class Window:
         self.unflushed_tokens.zero_()
 
 
+def cache_note(settings) -> str:
+    """What a non-finite loss at a run's first step points to when the feature cache was not wholly hashed."""
+    if settings.features != "cache" or settings.verify_cache == "always":
+        return ""
+    return ("at the first step of this run a damaged feature cache is the likely cause (this run hashed only parts "
+            f"of it: train.verify_cache={settings.verify_cache}): run again with train.verify_cache=always, which "
+            "rebuilds any shard whose bytes changed; otherwise lower train.lr or check the data")
+
+
 def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, heldout, total_steps,
          state, checkpoint_dir, progress, clock: LaunchClock) -> TrainReport:
     settings = recipe.train
@@ -235,11 +244,7 @@ def _run(recipe, accelerator, target, model, optimizer, scheduler, batches, held
     log_path = recipe.out / "logs" / "train.jsonl"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     history: list[dict] = []
-    unhashed = settings.features == "cache" and settings.verify_cache != "always"
-    window = Window(accelerator.device, state["step"], (
-        "at the first step of this run a damaged feature cache is the likely cause (this run hashed only parts of "
-        f"it: train.verify_cache={settings.verify_cache}): run again with train.verify_cache=always, which "
-        "rebuilds any shard whose bytes changed; otherwise lower train.lr or check the data") if unhashed else "")
+    window = Window(accelerator.device, state["step"], cache_note(settings))
     clock.restart(state["seconds"])        # the steps begin now (a resume: after the seconds trained before)
     stopped_by = "epochs"
     done = state["step"] >= total_steps
