@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.heads.decoding.sampling import next_token
-from draftsmith.heads.runtime.target import Target
+from draftsmith.heads.runtime.engine import EngineCache, merge_recurrent
+from draftsmith.heads.runtime.target import BlockOutput, Target
 
 PREFILL_CHUNK = 256   # prompt tokens per prefill forward: bounds the attention scores' memory
 
@@ -87,7 +88,12 @@ class Prefilled:
 
 
 def prefill_prompts(target: Target, prompts: list[list[int]], max_new_tokens: int, capture_layers) -> Prefilled:
-    """Left-pad the prompts into one batch and run them through the engine in chunks."""
+    """Left-pad the prompts into one batch and run them through the engine in chunks.
+
+    A target with recurrent layers would read the padding as tokens: each prompt is prefilled alone, and
+    the caches are merged (merge_rows), left-padded as a batch's would be."""
+    if target.recurrent and len(prompts) > 1:
+        return _prefill_one_by_one(target, prompts, max_new_tokens, capture_layers)
     device = target.device
     batch, longest = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((batch, longest), 0, dtype=torch.long, device=device)
@@ -107,6 +113,65 @@ def prefill_prompts(target: Target, prompts: list[list[int]], max_new_tokens: in
         if capture_layers:
             features.append(stack_layers(out, capture_layers))
     return Prefilled(cache, out, positions, features)
+
+
+def _prefill_one_by_one(target: Target, prompts: list[list[int]], max_new_tokens: int, capture_layers) -> Prefilled:
+    device = target.device
+    singles = [prefill_prompts(target, [prompt], max_new_tokens, capture_layers) for prompt in prompts]
+    one = torch.zeros(1, dtype=torch.long, device=device)
+    cache = merge_rows([(single.cache, one) for single in singles], max_new_tokens)
+    longest = max(len(p) for p in prompts)
+    positions = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        positions[row, longest - len(prompt):] = torch.arange(len(prompt), device=device)
+    logits = torch.cat([single.last.logits for single in singles])
+    last = BlockOutput(logits=logits, hidden_states={})
+    features = []
+    if capture_layers:
+        own = [torch.cat(single.features, dim=1)[0] for single in singles]                   # [len, L, d]
+        padded = own[0].new_zeros(len(prompts), longest, *own[0].shape[1:])
+        for row, part in enumerate(own):
+            padded[row, longest - part.shape[0]:] = part
+        features = [padded]
+    return Prefilled(cache, last, positions, features)
+
+
+def merge_rows(parts: list[tuple[EngineCache, torch.Tensor]], extra: int) -> EngineCache:
+    """A new cache holding `rows` of each part's cache, each row's valid slots left-padded to a common
+    length; room for `extra` more slots.  parts: (cache, row indices [r]) in the new row order."""
+    lengths = [int(cache.valid[rows, :cache.length].sum(1).max()) for cache, rows in parts]
+    length = max(lengths)
+    first = parts[0][0]
+    device = first.valid.device
+    total = sum(int(rows.numel()) for _, rows in parts)
+    recurrent = merge_recurrent(parts) if first.recurrent is not None else None
+    merged = EngineCache(total, length + extra, first.num_layers, device=device, recurrent=recurrent,
+                         attention_layers=first.attention_layers)
+    merged.length = length
+    start = 0
+    for cache, rows in parts:
+        r = int(rows.numel())
+        valid = cache.valid[rows, :cache.length]                                    # [r, old]
+        count = valid.sum(1)                                                         # [r]
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)          # valid slots first, in order
+        source = torch.arange(length, device=device)[None] - (length - count)[:, None]   # [r, length]
+        kept = source >= 0
+        index = torch.gather(order, 1, source.clamp(0, cache.length - 1))            # [r, length] old slot
+        dst = slice(start, start + r)
+        merged.valid[dst, :length] = kept
+        merged.positions[dst, :length] = torch.gather(cache.positions[rows, :cache.length], 1, index) * kept
+        for layer in range(cache.num_layers):
+            for store, mine in ((cache.keys, merged.keys), (cache.values, merged.values)):
+                if store[layer] is None:             # a recurrent layer: no keys or values
+                    continue
+                old = store[layer][rows]                                             # [r, h, c, d]
+                if mine[layer] is None:
+                    b_h_d = (total, old.shape[1], merged.capacity, old.shape[3])
+                    mine[layer] = old.new_zeros(b_h_d)
+                gathered = torch.gather(old, 2, index[:, None, :, None].expand(r, old.shape[1], length, old.shape[3]))
+                mine[layer][dst, :, :length] = gathered
+        start += r
+    return merged
 
 
 def stack_layers(out, layers) -> torch.Tensor:

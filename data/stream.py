@@ -23,7 +23,7 @@ from draftsmith.heads.decoding.sampling import next_token
 from draftsmith.heads.runtime.engine import EngineCache
 from draftsmith.heads.runtime.target import Target
 
-from .generate import Generation, prefill_prompts, stack_layers
+from .generate import Generation, merge_rows, prefill_prompts, stack_layers
 
 
 @dataclass
@@ -35,40 +35,6 @@ class Job:
     stopped: bool = False
     prompt_features: torch.Tensor | None = None     # [prompt, layers, d]
     step_features: list = field(default_factory=list)   # [layers, d] per generated token fed back
-
-
-def merge_rows(parts: list[tuple[EngineCache, torch.Tensor]], extra: int) -> EngineCache:
-    """A new cache holding `rows` of each part's cache, each row's valid slots left-padded to a common
-    length; room for `extra` more slots.  parts: (cache, row indices [r]) in the new row order."""
-    lengths = [int(cache.valid[rows, :cache.length].sum(1).max()) for cache, rows in parts]
-    length = max(lengths)
-    first = parts[0][0]
-    device = first.valid.device
-    total = sum(int(rows.numel()) for _, rows in parts)
-    merged = EngineCache(total, length + extra, first.num_layers, device=device)
-    merged.length = length
-    start = 0
-    for cache, rows in parts:
-        r = int(rows.numel())
-        valid = cache.valid[rows, :cache.length]                                    # [r, old]
-        count = valid.sum(1)                                                         # [r]
-        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)          # valid slots first, in order
-        source = torch.arange(length, device=device)[None] - (length - count)[:, None]   # [r, length]
-        kept = source >= 0
-        index = torch.gather(order, 1, source.clamp(0, cache.length - 1))            # [r, length] old slot
-        dst = slice(start, start + r)
-        merged.valid[dst, :length] = kept
-        merged.positions[dst, :length] = torch.gather(cache.positions[rows, :cache.length], 1, index) * kept
-        for layer in range(cache.num_layers):
-            for store, mine in ((cache.keys, merged.keys), (cache.values, merged.values)):
-                old = store[layer][rows]                                             # [r, h, c, d]
-                if mine[layer] is None:
-                    b_h_d = (total, old.shape[1], merged.capacity, old.shape[3])
-                    mine[layer] = old.new_zeros(b_h_d)
-                gathered = torch.gather(old, 2, index[:, None, :, None].expand(r, old.shape[1], length, old.shape[3]))
-                mine[layer][dst, :, :length] = gathered
-        start += r
-    return merged
 
 
 class Stream:

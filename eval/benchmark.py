@@ -30,7 +30,9 @@ from draftsmith.heads.infra.device import resolve_device, synchronize
 from draftsmith.heads.registry import trained_class
 from draftsmith.heads.runtime.target import Target, resolve_dtype
 
+from . import engine_check
 from .drift import drift as target_drift
+from .engine_check import EngineCheck
 from .prompts import load_prompts
 from .proposal import configure_proposal, step_costs
 
@@ -92,6 +94,8 @@ class EvalReport:
                                              # (alone or with the lookup) and the lookup alone
     exact_text_tau: dict | None = None       # tau on the fp32-checked prompts: in fp32 (plain decoding's own text)
                                              # and in the timed dtype, whose text may part from it at a near-tie
+    engine_matches_transformers: bool | None = None   # the engine's plain greedy == transformers' eager generate
+    engine_check: dict | None = None         # its details (eval/engine_check.py): prompts, tokens, near-ties, mismatch
     drift: dict | None = None                # Medusa-2: the adapted target against the original (eval/drift.py)
     target_health: dict | None = None        # data/health.py figures of the target's own plain output here
     per_prompt: list[dict] = field(default_factory=list)
@@ -154,6 +158,7 @@ class ExactCheck:
     exact: bool
     first_mismatch: str | None
     tau: float | None = None      # tau of the fp32 speculative runs over the checked prompts: plain decoding's own text
+    engine: EngineCheck | None = None
 
 
 def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalSettings, count: int) -> ExactCheck:
@@ -162,14 +167,17 @@ def check_exactness(checkpoint: str, target_path: str, prompts, options: EvalSet
                                  options.adapter, device_map=options.device_map)
     drafter32 = configure_proposal(load_drafter(checkpoint, target32, options.require_checksum).float(), target32,
                                    options)
-    accepted = []
+    accepted, plains = [], []
     for prompt_id, prompt in prompts[:count]:
         plain = decode(target32, prompt, options.max_new_tokens)
         spec = decode(target32, prompt, options.max_new_tokens, drafter32)
+        plains.append(plain.tokens)
         if plain.tokens != spec.tokens:
-            return ExactCheck(False, prompt_id)
+            return ExactCheck(False, prompt_id, None, engine_check.compare(target32, prompts[:len(plains)],
+                                                                           options.max_new_tokens, plains))
         accepted += spec.accepted
-    return ExactCheck(True, None, metrics.tau(accepted) if accepted else None)
+    engine = engine_check.compare(target32, prompts[:count], options.max_new_tokens, plains)
+    return ExactCheck(True, None, metrics.tau(accepted) if accepted else None, engine)
 
 
 def evaluate(checkpoint: str, options: EvalSettings, progress: bool = True) -> EvalReport:
@@ -207,13 +215,21 @@ def evaluate(checkpoint: str, options: EvalSettings, progress: bool = True) -> E
             line = "  ".join(f"{m} {timed.tokens[m]} tok {s:.2f}s" for m, s in timed.seconds.items())
             print(f"[{index + 1}/{len(prompts)}] {prompt_id}: tau {results[-1].tau:.2f}  {line}", flush=True)
     exact_count = len(prompts) if dtype == torch.float32 else min(options.exact_prompts, len(prompts))
+    engine_count = min(options.exact_prompts, len(prompts))       # checked against transformers' generate
     if dtype == torch.float32 and options.temperature <= 0:
         check = ExactCheck(all(r.bf16_identical for r in results),
-                           next((r.id for r in results if not r.bf16_identical), None))
+                           next((r.id for r in results if not r.bf16_identical), None), None,
+                           engine_check.compare(target, prompts[:engine_count], options.max_new_tokens,
+                                                plain_outputs[:engine_count]))
     else:
         check = check_exactness(checkpoint, target_path, prompts, options, exact_count)
-    report = summarize(checkpoint, config, target_path, options, description, dtype, results, check.exact,
-                       exact_count, check.first_mismatch)
+    engine = check.engine
+    exact = check.exact and engine.matches      # never an exact result on top of a wrong engine
+    mismatch = check.first_mismatch or (None if engine.matches else f"engine vs transformers: {engine.first_mismatch}")
+    report = summarize(checkpoint, config, target_path, options, description, dtype, results, exact,
+                       exact_count, mismatch)
+    report.engine_matches_transformers = engine.matches if engine.prompts else None    # eval.exact_prompts=0
+    report.engine_check = asdict(engine)
     if check.tau is not None and options.temperature <= 0:       # both greedy: the same prompts, two precisions
         report.exact_text_tau = {"float32": check.tau,
                                  target.precision: metrics.tau([a for r in results[:exact_count] for a in r.accepted])}
@@ -237,7 +253,8 @@ def over_budget(options: EvalSettings, results: list, elapsed: float, dtype) -> 
         return False
     per_prompt = elapsed / len(results)
     plain = sum(r.seconds["plain"] for r in results) / len(results)
-    exact = 0 if dtype == torch.float32 else 2 * min(options.exact_prompts, len(results) + 1) * plain * 1.5
+    checked = min(options.exact_prompts, len(results) + 1)      # fp32: generate; else plain, speculative, generate
+    exact = checked * plain * (1 if dtype == torch.float32 else 3 * 1.5)
     return elapsed + per_prompt + exact > options.max_minutes * 60
 
 
@@ -247,12 +264,14 @@ def fit_budget(prompts: list, options: EvalSettings, forward_seconds: float, dty
     Estimated per prompt: max_new_tokens one-token forwards for plain decoding and for each transformers
     baseline (generate runs about as fast), and as many again for speculative decoding (drafts and
     verification together cost at most about that when they pay); the fp32 exactness check decodes
-    exact_prompts twice in fp32 (taken as twice the cost of a bf16 forward)."""
+    exact_prompts three times in fp32 (plain, speculative, transformers' generate; each taken as twice the
+    cost of a bf16 forward), or once (generate) when the timed runs are fp32 already."""
     if not options.max_minutes:
         return prompts, f"{len(prompts)} prompts x {options.max_new_tokens} tokens (no time budget)"
     budget = options.max_minutes * 60
     modes = 2 + sum(1 for b in options.baselines if b != "plain" and options.temperature <= 0)
-    exact_runs = 0 if dtype == torch.float32 else 2 * 2 * min(options.exact_prompts, len(prompts))
+    checked = min(options.exact_prompts, len(prompts))
+    exact_runs = checked * (1 if dtype == torch.float32 else 3 * 2)
     per_prompt = modes * options.max_new_tokens * forward_seconds
     fits = int((budget - exact_runs * options.max_new_tokens * forward_seconds) // per_prompt)
     chosen = max(3, min(len(prompts), fits))

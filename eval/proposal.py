@@ -13,6 +13,7 @@ from draftsmith.heads.decoding.settings import EvalSettings
 from draftsmith.heads.decoding.verifier import decode
 from draftsmith.heads.drafter import DraftContext
 from draftsmith.heads.infra.device import synchronize
+from draftsmith.heads.runtime.engine import TreeOverRecurrentLayers
 from draftsmith.heads.runtime.target import Target
 
 from .prompts import load_prompts
@@ -23,7 +24,17 @@ log = logging.getLogger(__name__)
 def configure_proposal(drafter, target: Target, options: EvalSettings):
     """Set the drafter's proposal shape and return the drafter to decode with: the same one, or wrapped with
     the context lookup when options.lookup asks for it.  A shape tuned here is written back into options
-    (tree_size, tree_depth_topk_total), so a second call, the fp32 exactness check's, reuses it."""
+    (tree_size, tree_depth_topk_total), so a second call, the fp32 exactness check's, reuses it.
+
+    A target with recurrent layers verifies chains only (heads/runtime/engine.py): a tree asked of it is
+    refused in one line; its default proposal is a chain, said once."""
+    if target.recurrent:
+        if options.proposal == "tree" or options.lookup:
+            raise TreeOverRecurrentLayers()
+        if options.proposal == "default":
+            log.warning("target '%s' has recurrent layers, over which a tree cannot be verified: proposing a "
+                        "chain of %s", target.name, options.chain_length or "the drafter's own length")
+        options.proposal = "chain"
     if options.proposal == "chain":
         drafter.set_proposal(chain=options.chain_length)
     elif drafter.static_tree:                     # static trees (Medusa)

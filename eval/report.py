@@ -41,6 +41,12 @@ def markdown(report: EvalReport) -> str:
         f"- greedy exact (fp32, {report.exact_checked_prompts} prompts): **{report.greedy_exact}**"
         + (f" (first mismatch: {report.first_mismatch})" if report.first_mismatch else ""),
     ]
+    if report.engine_check:
+        e = report.engine_check
+        lines.append(f"- engine matches transformers (plain greedy vs eager `generate`, fp32, {e['prompts']} prompts, "
+                     f"{e['tokens']} tokens): **{report.engine_matches_transformers}**"
+                     + (f" ({e['near_ties']} parted at a near-tie)" if e["near_ties"] else "")
+                     + (f" (first difference: {e['first_mismatch']})" if e["first_mismatch"] else ""))
     if report.target_health:
         lines.append(f"- {eval_line(report.target_health)}")
     if report.exact_text_tau:

@@ -217,6 +217,7 @@ def test_the_python_api_of_the_docs_runs(tiny_target_dir, tmp_path):
     result = evaluate(report.checkpoint, EvalSettings(prompts=str(tmp_path / "chats.jsonl"), limit=2, max_new_tokens=8,
                                                      exact_prompts=1, baselines=("plain",)), progress=False)
     assert result.greedy_exact and result.tau >= 1.0
+    assert result.engine_matches_transformers is True and result.engine_check["tokens"] >= 1
     out = export(report.checkpoint, "vllm", tmp_path / "vllm")
     assert (Path(out) / "model.safetensors").is_file()
     assert load_recipe("medusa-smollm2-135m").method == "medusa"          # a shipped recipe, by name

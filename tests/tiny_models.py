@@ -71,7 +71,53 @@ def make_tokenizer(vocab_size: int | None = None):
     return tok
 
 
+FAMILIES = {
+    # what makes each architecture itself is kept: its rope, norms, sliding windows, sinks, experts, MLA's
+    # head dims, NoPE layers, linear-attention and Mamba layers; only the sizes are tiny
+    "llama3": ("LlamaConfig", dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),                                   # qk-norm, head_dim != d/h
+    "gemma3": ("Gemma3TextConfig", dict(layers=3, head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                        final_logit_softcapping=30.0)),
+    "phi3": ("Phi3Config", {}),
+    "smollm3": ("SmolLM3Config", dict(layers=4, no_rope_layer_interval=2)),        # NoPE every 2nd layer
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "gpt_oss": ("GptOssConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                                     layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                                         "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                         "original_max_position_embeddings": 16})),   # attention sinks
+    "deepseek_v3": ("DeepseekV3Config", dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,       # MLA
+                                             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                                             n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                             first_k_dense_replace=1, moe_intermediate_size=32)),
+    "glm4_moe": ("Glm4MoeConfig", dict(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                       first_k_dense_replace=1, moe_intermediate_size=32, use_qk_norm=True)),
+    "qwen3_next": ("Qwen3NextConfig", dict(layers=4, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
+                                           linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=32)),   # gated DeltaNet + attention
+    "granite4_hybrid": ("GraniteMoeHybridConfig", dict(layer_types=["mamba", "attention"], mamba_n_heads=4,
+                                                       mamba_d_head=32, mamba_d_state=16, num_local_experts=0,
+                                                       shared_intermediate_size=128)),   # Mamba-2 + attention
+    "qwen3_5": ("Qwen3_5TextConfig", dict(layers=4, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
+                                          linear_num_key_heads=2, linear_num_value_heads=4)),
+    "nemotron_h": ("NemotronHConfig", dict(layers=None, layers_block_type=["mamba", "attention", "mlp"],
+                                           mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=1,
+                                           head_dim=16)),        # Mamba-2, attention and MLP-only layers
+}
+REFUSED = {
+    # what the engine cannot decode, refused by name at load (docs/targets.md)
+    "falcon_h1": ("FalconH1Config", dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
+                                         mamba_n_groups=1)),       # attention and Mamba inside one layer
+    "deepseek_v32": ("DeepseekV32Config", {}),                     # DeepSeek sparse attention's indexer
+}
+
+
 def make_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2):
+    import transformers
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
@@ -83,6 +129,13 @@ def make_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         return Qwen2Config(**common, use_sliding_window=False)
     if family == "mistral":
         return MistralConfig(**common, sliding_window=None)
+    if family in FAMILIES or family in REFUSED:
+        class_name, extra = FAMILIES.get(family) or REFUSED[family]
+        extra = dict(extra)
+        common["num_hidden_layers"] = extra.pop("layers", layers)
+        if common["num_hidden_layers"] is None:           # the config counts its layers itself
+            del common["num_hidden_layers"]
+        return getattr(transformers, class_name)(**{**common, **extra})
     raise ValueError(family)
 
 

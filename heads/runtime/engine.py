@@ -17,11 +17,22 @@ the whole forward.  That gives three things the stock caches do not:
 
 Outside the engine (training features, `generate`) the same registered name
 falls back to SDPA, so one loaded model serves both.
+
+Two kinds of layer need more than keys and values:
+- attention with sinks (gpt-oss's `s_aux`): one learned logit per head joins each
+  softmax and is dropped after it; both paths compute it (`attend_with_sinks`);
+- recurrent layers (Qwen3-Next's gated DeltaNet, the Mamba layers of Granite-4 and
+  Nemotron-H): their conv and recurrent states live in a transformers `Cache`
+  (`EngineCache.recurrent`), recording each token's state during a block so a
+  rejected draft is rolled back (`crop`) instead of recomputed.  A recurrent layer
+  reads a block as a sequence, so over such a target a block must be a chain:
+  trees are refused (`EngineCache.check_chain`).
 """
 from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DummyLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -37,10 +48,16 @@ class EngineCache:
     is False for left padding.
     """
 
-    def __init__(self, batch_size: int, capacity: int, num_layers: int, device: torch.device | str = "cpu"):
+    def __init__(self, batch_size: int, capacity: int, num_layers: int, device: torch.device | str = "cpu",
+                 recurrent: Cache | None = None, attention_layers: int | None = None):
+        """recurrent: the transformers cache holding a hybrid target's recurrent layers (`recurrent_cache`);
+        attention_layers: how many layers write keys/values each forward (default: all)."""
         self.batch_size = batch_size
         self.capacity = capacity
         self.num_layers = num_layers
+        self.attention_layers = num_layers if attention_layers is None else attention_layers
+        self.recurrent = recurrent
+        self._recorded = False          # the recurrent layers hold the last block's per-token states
         self.length = 0
         self.keys: list[torch.Tensor | None] = [None] * num_layers    # each [b, h, c, d]
         self.values: list[torch.Tensor | None] = [None] * num_layers
@@ -64,6 +81,11 @@ class EngineCache:
             node sees its ancestors and not its cousins.
         """
         b, n = positions.shape
+        if self.recurrent is not None:
+            if block_mask is not None and not bool((block_mask == torch.ones(
+                    n, n, dtype=torch.bool, device=block_mask.device).tril()).all()):
+                raise TreeOverRecurrentLayers()
+            self.commit_recurrent()
         if self.length + n > self.capacity:
             raise ValueError(
                 f"engine cache overflow: {self.length} cached + {n} new tokens > capacity {self.capacity}; "
@@ -86,15 +108,22 @@ class EngineCache:
         self._layers_written = 0
 
     def end_block(self) -> None:
-        if self._layers_written != self.num_layers:
+        if self._layers_written != self.attention_layers:
             raise RuntimeError(
-                f"only {self._layers_written} of {self.num_layers} attention layers used draftsmith's engine cache: "
+                f"only {self._layers_written} of {self.attention_layers} attention layers used draftsmith's engine cache: "
                 "this model's attention does not dispatch through transformers' AttentionInterface, "
                 "so draftsmith cannot decode with it"
             )
         self.length += self._block
+        self._recorded = self.recurrent is not None
         self._mask = None
         self._block = 0
+
+    def commit_recurrent(self) -> None:
+        """Drop the recorded per-token states of the last block: what it left stands."""
+        if self._recorded:
+            self.recurrent.crop(0)
+            self._recorded = False
 
     def ensure_capacity(self, capacity: int) -> None:
         """Grow (by copying) so that `capacity` slots fit."""
@@ -114,10 +143,9 @@ class EngineCache:
     # -- called by each attention layer -----------------------------------------
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this block's key/value [b, h, n, d] and return the whole window [b, h, length + n, d]."""
-        if self.keys[layer] is None:
-            b, h, _, d = key.shape
-            self.keys[layer] = key.new_zeros(b, h, self.capacity, d)
-            self.values[layer] = value.new_zeros(b, h, self.capacity, d)
+        if self.keys[layer] is None:            # MLA: values may have another head dim than keys
+            self.keys[layer] = key.new_zeros(*key.shape[:2], self.capacity, key.shape[3])
+            self.values[layer] = value.new_zeros(*value.shape[:2], self.capacity, value.shape[3])
         end = self.length + key.shape[2]
         self.keys[layer][:, :, self.length:end] = key
         self.values[layer][:, :, self.length:end] = value
@@ -142,6 +170,8 @@ class EngineCache:
         """
         m = slots.numel()
         contiguous = bool((slots == torch.arange(start, start + m, device=slots.device)).all())
+        if not contiguous and self.recurrent is not None:
+            raise TreeOverRecurrentLayers()
         if not contiguous:
             for layer in range(self.num_layers):
                 for store in (self.keys, self.values):
@@ -155,11 +185,25 @@ class EngineCache:
         """Forget every slot from `length` on."""
         if length > self.length + self._block:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        if self.recurrent is not None and length < self.length:
+            self._roll_back(self.length - length)
         self.valid[:, length:] = False
         self.length = length
 
+    def _roll_back(self, tokens: int) -> None:
+        """The recurrent layers forget the last `tokens` tokens of the last block (their recorded states)."""
+        if not self._recorded or tokens > ROLLBACK_LIMIT:
+            raise ValueError(f"a recurrent layer's state can be rolled back by at most {ROLLBACK_LIMIT} tokens of "
+                             f"the last block; {tokens} tokens were asked"
+                             + ("" if self._recorded else " after that block was committed"))
+        self.recurrent.crop(-tokens)
+        self._recorded = False
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished sequences leave a batched generation)."""
+        if self.recurrent is not None:        # beam search's row reordering is a row selection too
+            self.commit_recurrent()
+            self.recurrent.reorder_cache(rows)
         for layer in range(self.num_layers):
             for store in (self.keys, self.values):
                 if store[layer] is not None:
@@ -169,19 +213,117 @@ class EngineCache:
         self.batch_size = int(rows.numel())
 
 
+class TreeOverRecurrentLayers(ValueError):
+    """A token tree asked of a target with recurrent layers."""
+
+    def __init__(self):
+        super().__init__(
+            "this target has recurrent (linear-attention or Mamba) layers, which read a block of tokens as one "
+            "sequence, so a token tree cannot be verified over them: use a chain (eval.proposal=chain, "
+            "and no eval.lookup)")
+
+
+class RecurrentPassThrough(DummyLayer):
+    """An attention layer's place in the transformers cache handed to a hybrid target: it keeps nothing
+    (the engine holds that layer's keys and values) and gives the new block's keys and values back."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return 0
+
+
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+ROLLBACK_LIMIT = 64
+"""The most tokens of a block a recurrent layer can roll back: the per-token states of a block's last
+ROLLBACK_LIMIT tokens are recorded (a real hybrid's state is MBs a layer, so a long prefill records no more)."""
+
+
+def recurrent_cache(layer_types: list[str], block_limit: int = ROLLBACK_LIMIT, like: Cache | None = None) -> Cache | None:
+    """A transformers cache for the recurrent layers of a hybrid target (None when it has none), recording
+    the per-token states of a block's last `block_limit` tokens so a rejected tail can be cropped.
+    like: an existing one whose layer classes to repeat (layer_types are then ignored)."""
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
+    if like is not None:
+        layers = [type(layer)() for layer in like.layers]
+    elif not any(t in RECURRENT_LAYER_TYPES for t in layer_types):
+        return None
+    else:
+        layers = [DYNAMIC_LAYER_TYPE_MAPPING[t]() if t in RECURRENT_LAYER_TYPES else
+                  RecurrentPassThrough() if t in ATTENTION_LAYER_TYPES else DummyLayer() for t in layer_types]
+    cache = Cache(layers=layers)
+    cache.activate_past_recording(recurrent_states_to_keep=block_limit)
+    return cache
+
+
+def merge_recurrent(parts: list[tuple["EngineCache", torch.Tensor]]) -> Cache:
+    """One recurrent cache holding `rows` of each part's, in order (data generation's continuous batching).
+    A recurrent state has no time axis, so unlike keys and values no row needs aligning."""
+    for cache, _ in parts:
+        cache.commit_recurrent()
+    first = parts[0][0].recurrent
+    merged = recurrent_cache([], ROLLBACK_LIMIT, like=first)
+    for index, layer in enumerate(merged.layers):
+        if not hasattr(layer, "recurrent_states"):
+            continue
+        sources = [(cache.recurrent.layers[index], rows) for cache, rows in parts]
+        model = sources[0][0]
+        for state in range(layer.number_of_states):
+            if model.is_conv_states_initialized[state]:
+                layer.conv_states[state] = torch.cat([src.conv_states[state][rows] for src, rows in sources])
+                layer.conv_kernel_size[state] = model.conv_kernel_size[state]
+                layer.is_conv_states_initialized[state] = True
+            if model.is_recurrent_states_initialized[state]:
+                layer.recurrent_states[state] = torch.cat([src.recurrent_states[state][rows] for src, rows in sources])
+                layer.is_recurrent_states_initialized[state] = True
+            layer.has_previous_state[state] = model.has_previous_state[state]
+        layer.device, layer.dtype = model.device, model.dtype
+        layer.cumulative_length_linear = model.cumulative_length_linear.clone()
+    return merged
+
+
+def attend_with_sinks(query, keys, values, mask, scaling, sinks, softcap=None) -> torch.Tensor:
+    """Attention whose softmax also sees one learned logit per query head (gpt-oss's sinks), dropped after.
+
+    query [b, hq, n, d]; keys, values [b, hk, t, d]; mask [b, 1, n, t] bool (True: seen) or None (causal,
+    the queries being the last n of the t); sinks [hq].  Returns [b, n, hq, dv]."""
+    b, hq, n, _ = query.shape
+    hk, t = keys.shape[1], keys.shape[2]
+    keys = keys.repeat_interleave(hq // hk, dim=1)
+    values = values.repeat_interleave(hq // hk, dim=1)
+    scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scaling            # [b, hq, n, t]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(n, t, dtype=torch.bool, device=query.device).tril(t - n)[None, None]
+    elif mask.dtype != torch.bool:           # an additive float mask
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().reshape(1, hq, 1, 1).expand(b, hq, n, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values).transpose(1, 2)
+
+
 def cached_attention(cache: EngineCache, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      scaling: float | None = None, softcap: float | None = None,
-                     sliding_window: int | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Append key/value to the cache and attend over it.
 
-    query: [b, hq, n, d]; key, value: [b, hk, n, d] (RoPE applied).  Returns [b, n, hq, d].
+    query: [b, hq, n, d]; key, value: [b, hk, n, d] (RoPE applied; MLA's values have their own head dim);
+    sinks: [hq] (gpt-oss) or None.  Returns [b, n, hq, dv].
     """
     keys, values = cache.append(layer, key, value)                        # [b, hk, t, d]
     mask = cache.mask_for(sliding_window).to(query.device)                # [b, 1, n, t]; a device_map's layer
     b, hq, n, d = query.shape
     hk, t = keys.shape[1], keys.shape[2]
     scaling = d ** -0.5 if scaling is None else scaling
-    if (n > 1 or b == 1) and not softcap:
+    if sinks is not None:
+        return attend_with_sinks(query, keys, values, mask, scaling, sinks, softcap)
+    if (n > 1 or b == 1) and not softcap and values.shape[-1] == d:
         # Blocks (prefill, trees) and batch 1: SDPA's fused kernel (measured faster there).
         out = torch.nn.functional.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=hq != hk)
@@ -195,7 +337,8 @@ def cached_attention(cache: EngineCache, layer: int, query: torch.Tensor, key: t
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(b, hk, groups, n, t).masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype).view(b, hk, groups * n, t)
-    out = torch.matmul(probs, values).view(b, hk, groups, n, d).reshape(b, hq, n, d)
+    dv = values.shape[-1]
+    out = torch.matmul(probs, values).view(b, hk, groups, n, dv).reshape(b, hq, n, dv)
     return out.transpose(1, 2)
 
 
@@ -203,10 +346,15 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
                      softcap=None, sliding_window=None, **kwargs):
     """transformers attention function: over the engine cache when one is passed, else plain SDPA."""
     cache: EngineCache | None = kwargs.pop(CACHE_KWARG, None)
+    sinks = kwargs.pop("s_aux", None)
     if cache is None:
+        if sinks is not None:          # SDPA has no sinks: computed here, as transformers' eager path does
+            scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+            return attend_with_sinks(query, key, value, attention_mask, scaling, sinks, softcap), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, softcap=softcap, sliding_window=sliding_window, **kwargs)
-    return cached_attention(cache, module.layer_idx, query, key, value, scaling, softcap, sliding_window), None
+    return cached_attention(cache, module.layer_idx, query, key, value, scaling, softcap, sliding_window,
+                            sinks), None
 
 
 AttentionInterface.register(ENGINE_ATTENTION, engine_attention)

@@ -50,6 +50,40 @@ def _require_causal_lm(model_dir: Path, path: str) -> None:
                           "needs a decoder-only model such as *ForCausalLM")
 
 
+def _require_decodable_layers(model_dir: Path, trust_remote_code: bool) -> None:
+    """Refuse, from the config alone, a target whose layers the engine cannot decode (layer_types_of)."""
+    if not (model_dir / "config.json").is_file():
+        return                                          # a GGUF file: checked once the model is built
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code, local_files_only=True)
+    except (ValueError, KeyError, OSError):
+        return                                          # from_pretrained below names the problem
+    config = config.get_text_config(decoder=True)
+    layer_types_of(config, int(getattr(config, "num_hidden_layers", 0) or 0))
+
+
+def layer_types_of(config, num_layers: int) -> list[str]:
+    """Each decoder layer's kind in transformers' cache vocabulary (full_attention, sliding_attention,
+    linear_attention, ...); a layer kind the engine cannot decode is refused by name (`TargetError`)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+    try:
+        types = list(get_layer_types_and_kwargs(config)[0])[:num_layers or None]
+    except Exception:                                  # an older or custom config: all attention
+        types = ["full_attention"] * num_layers
+    known = engine.ATTENTION_LAYER_TYPES + engine.RECURRENT_LAYER_TYPES + ("dummy",)
+    unknown = sorted(set(t for t in types if t not in known))
+    if getattr(config, "kv_sharing_modes", None) or getattr(config, "num_kv_shared_layers", 0):
+        unknown.append("KV-sharing")            # layers reading another layer's keys and values (Gemma-3n)
+    if unknown:
+        raise TargetError(
+            f"target model type '{getattr(config, 'model_type', '?')}' has {unknown} layers, which draftsmith's "
+            "engine cannot decode (it knows attention, sliding-window attention, and linear-attention/Mamba "
+            "layers); training on a feature cache and data.mode=prefill do not decode, so they may still work. "
+            "See docs/targets.md")
+    return types
+
+
 def preferred_dtype(device: str | torch.device = "cpu") -> torch.dtype:
     """bf16 where the device computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX); on other
     x86 CPUs float16, i.e. fp16 weights packed for decoding with fp32 activations (heads/runtime/cpu_linear.py);
@@ -97,6 +131,8 @@ class Target:
         self.eos_token_ids = self._eos_ids()
         self.source = name
         self.precision = str(self.dtype).replace("torch.", "")     # what the forwards compute in
+        self.layer_types = layer_types_of(self.config, self.num_layers)
+        self.recurrent = any(t in engine.RECURRENT_LAYER_TYPES for t in self.layer_types)
 
     # -- loading ---------------------------------------------------------------
     @classmethod
@@ -116,6 +152,7 @@ class Target:
         lora = Adapter.read(adapter, merge_adapter) if adapter else None      # checked before the model loads
         model_dir, name = resolve_target_path(path, trust_remote_code=trust_remote_code)
         _require_causal_lm(Path(model_dir), path)
+        _require_decodable_layers(Path(model_dir), trust_remote_code)        # before any weight is read
         torch_dtype = resolve_dtype(dtype, device)
         device_map = check_device_map(device_map)
         if not layers and lora is None:
@@ -251,7 +288,12 @@ class Target:
         return self._collect(out, layer_ids)
 
     def new_cache(self, batch_size: int, capacity: int) -> engine.EngineCache:
-        return engine.EngineCache(batch_size, capacity, self.num_layers, device=self.device)
+        """An engine cache; for a hybrid target it also carries the recurrent layers' states (recording the
+        last tokens of each block, so a rejected draft can be rolled back)."""
+        recurrent = engine.recurrent_cache(self.layer_types) if self.recurrent else None
+        attention = sum(t in engine.ATTENTION_LAYER_TYPES for t in self.layer_types)
+        return engine.EngineCache(batch_size, capacity, self.num_layers, device=self.device, recurrent=recurrent,
+                                  attention_layers=attention)
 
     @torch.no_grad()
     def forward_block(self, cache: engine.EngineCache, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -268,8 +310,13 @@ class Target:
         cache.begin_block(positions, block_mask, valid)
         b, n = input_ids.shape
         dummy_mask = torch.ones(b, 1, n, 1, dtype=torch.bool, device=input_ids.device)  # 4D: skips HF mask building
-        out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=dummy_mask, use_cache=False,
-                           output_hidden_states=need_all, **{engine.CACHE_KWARG: cache})
+        recurrent = {"cache": cache.recurrent, "use_cache": True} if cache.recurrent is not None else {
+            "use_cache": False}
+        if cache.recurrent is not None and valid is not None and not bool(valid.all()):
+            raise TargetError(f"target '{self.name}' has recurrent layers, which would read left padding as tokens: "
+                              "decode its prompts one at a time (no padded batches)")
+        out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=dummy_mask,
+                           output_hidden_states=need_all, **recurrent, **{engine.CACHE_KWARG: cache})
         cache.end_block()
         hidden = out.last_hidden_state
         result = None
@@ -279,14 +326,44 @@ class Target:
             result = self.compute_logits(hidden[:, -1:]).float()
         return BlockOutput(logits=result, hidden_states=self._collect(out, layer_ids))
 
+    @torch.no_grad()
+    def reference_greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """transformers' own greedy `generate`, with the model's own eager attention and transformers' cache
+        (nothing of draftsmith's engine): the tokens after `prompt`, the stop token included."""
+        ids = torch.tensor([prompt], device=self.device)
+        self.model.set_attn_implementation("eager")
+        try:
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                      do_sample=False, eos_token_id=self.eos_token_ids,
+                                      pad_token_id=self.eos_token_ids[0], top_k=None, top_p=None, temperature=None)
+        finally:
+            self.model.set_attn_implementation(engine.ENGINE_ATTENTION)
+        tokens = out[0, len(prompt):].tolist()
+        stop = next((i for i, t in enumerate(tokens) if t in self.eos_token_ids), None)
+        return tokens if stop is None else tokens[:stop + 1]
+
+    @torch.no_grad()
+    def logit_gap(self, ids: list[int], a: int, b: int) -> tuple[float, float]:
+        """The eager model's next-token logits after `ids`: (|logit a - logit b|, the largest |logit|)."""
+        self.model.set_attn_implementation("eager")
+        try:
+            logits = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=False).logits[0, -1]
+        finally:
+            self.model.set_attn_implementation(engine.ENGINE_ATTENTION)
+        return abs(float(logits[a] - logits[b])), float(logits.abs().max())
+
     def self_check(self) -> None:
         """The engine and `compute_logits` must reproduce the model's own forward."""
         ids = torch.tensor([[1, 2, 3, 4, 5]], device=self.device) % self.vocab_size
         with torch.no_grad():
             reference = self.model(input_ids=ids, use_cache=False).logits.float()
             cache = self.new_cache(1, 8)
-            first = self.forward_block(cache, ids[:, :3], torch.arange(3, device=self.device)[None]).logits
-            second = self.forward_block(cache, ids[:, 3:], torch.arange(3, 5, device=self.device)[None]).logits
+            try:
+                first = self.forward_block(cache, ids[:, :3], torch.arange(3, device=self.device)[None]).logits
+                second = self.forward_block(cache, ids[:, 3:], torch.arange(3, 5, device=self.device)[None]).logits
+            except RuntimeError as err:      # a layer that neither attends through the engine nor is recurrent
+                raise TargetError(f"target '{self.name}' ({self.config.model_type}) cannot be decoded by "
+                                  f"draftsmith's engine: {err}. See docs/targets.md") from err
         ours = torch.cat([first, second], dim=1)
         if self.dtype == torch.float32:
             err = (ours - reference).abs().max().item()
