@@ -149,10 +149,12 @@ def test_an_eagle3_drafter_trains_a_step(family):
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_a_family_the_engine_cannot_decode_is_refused_by_name_before_its_weights_load(name, tmp_path, monkeypatch):
+    import transformers
     from transformers import AutoModelForCausalLM
     directory = build_tiny_target(tmp_path / name, name)
+    model_type = getattr(transformers, REFUSED[name][0]).model_type
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights were read"))
-    with pytest.raises(TargetError, match=f"'{name}' has .* layers, which draftsmith's engine cannot decode"):
+    with pytest.raises(TargetError, match=f"'{model_type}' has .* layers, which draftsmith's engine cannot decode"):
         Target.load(str(directory), "float32")
 
 
@@ -224,3 +226,44 @@ def test_the_rollback_cost_script_runs_as_its_usage_line_says(tmp_path):
     plain = build_tiny_target(tmp_path / "llama", "llama")
     refused = subprocess.run([sys.executable, str(script), str(plain)], capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "has no recurrent layers" in refused.stderr
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_an_eagle3_export_imports_back_with_the_same_weights_and_decoding(family, fmt, tmp_path, capsys):
+    from conftest import eagle3_checkpoint
+
+    from draftsmith.cli import main
+    from draftsmith.export import export
+    from draftsmith.heads.drafter import load_drafter
+
+    name, target = family
+    original = eagle3_checkpoint(target, tmp_path / "ckpt")
+    export(tmp_path / "ckpt", fmt, tmp_path / "export", dtype="float32")
+    assert main(["import", str(tmp_path / "export"), "--from", fmt, str(tmp_path / "back"),
+                 "--target", target.source]) == 0, capsys.readouterr()
+    back = load_drafter(tmp_path / "back", target)
+    mine, theirs = original.state_dict(), back.state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k].float(), theirs[k].float()) for k in mine), name
+    original.set_proposal(chain=3)
+    back.set_proposal(chain=3)
+    for prompt in prompts(target, count=2, length=6):
+        assert decode(target, prompt, 16, drafter=original).accepted == \
+            decode(target, prompt, 16, drafter=back).accepted, name
+
+
+def test_docs_targets_lists_exactly_the_families_tested_and_refused():
+    """docs/targets.md's rows come from these tests: every family tested has a row and no row names a
+    family that is not tested (or, in the refused table, refused by a test here)."""
+    import re
+    from pathlib import Path
+
+    import transformers
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "targets.md").read_text()
+    tested, refused = text.split("## Refused, by name, at load")[0], text.split("## Refused, by name, at load")[1]
+    def rows(part):
+        return set(re.findall(r"^\| [^|]*\(`(\w+)`", part, flags=re.M))
+    assert rows(tested) == {class_name for class_name, _ in FAMILIES.values()}
+    assert rows(refused) == {class_name for class_name, _ in REFUSED.values()}
+    assert all(hasattr(transformers, name) for name in rows(tested) | rows(refused))

@@ -113,6 +113,11 @@ REFUSED = {
     "falcon_h1": ("FalconH1Config", dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
                                          mamba_n_groups=1)),       # attention and Mamba inside one layer
     "deepseek_v32": ("DeepseekV32Config", {}),                     # DeepSeek sparse attention's indexer
+    "gemma3n": ("Gemma3nTextConfig", dict(layers=4, num_kv_shared_layers=2, head_dim=16, sliding_window=4,
+                                          vocab_size_per_layer_input=64, hidden_size_per_layer_input=8,
+                                          laurel_rank=4, altup_num_inputs=2, intermediate_size=[128] * 4,
+                                          activation_sparsity_pattern=[0.0] * 4,
+                                          layer_types=["sliding_attention", "full_attention"] * 2)),  # KV sharing
 }
 
 
