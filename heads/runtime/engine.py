@@ -26,7 +26,7 @@ Two kinds of layer need more than keys and values:
   (`EngineCache.recurrent`), recording each token's state during a block so a
   rejected draft is rolled back (`crop`) instead of recomputed.  A recurrent layer
   reads a block as a sequence, so over such a target a block must be a chain:
-  trees are refused (`EngineCache.check_chain`).
+  trees are refused (`TreeOverRecurrentLayers`).
 """
 from __future__ import annotations
 
