@@ -5,6 +5,7 @@ it imports only vLLM and the standard library.
 
     python scripts/vllm_roundtrip.py --target TARGET_DIR --prompts prompts.json --out result.json \
         [--method medusa|eagle3 --drafter EXPORT_DIR --num-speculative-tokens K [--parallel-drafting]] [--batch 16]
+        [--max-model-len 1024]
 
 prompts.json: a list of token-id lists.  result.json: {"tokens": [[...], ...],
 "seconds": wall time of generate(), "metrics": {spec-decode counters}}.
@@ -38,6 +39,7 @@ def main():
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch", type=int, default=1, help="requests in flight at once")
     parser.add_argument("--repeat", type=int, default=1, help="timed passes over the prompts")
+    parser.add_argument("--max-model-len", type=int, default=1024, help="at most the target's max_position_embeddings")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     options = engine_options()                # DRAFTSMITH_VLLM_IN_PROCESS=1: no engine processes (tests)
@@ -52,7 +54,7 @@ def main():
         if args.parallel_drafting:
             speculative["parallel_drafting"] = True
     llm = LLM(model=args.target, dtype=args.dtype, speculative_config=speculative, disable_log_stats=False,
-              max_model_len=1024, enforce_eager=True, max_num_seqs=max(args.batch, 1), seed=0,
+              max_model_len=args.max_model_len, enforce_eager=True, max_num_seqs=max(args.batch, 1), seed=0,
               **options)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     requests = [{"prompt_token_ids": p} for p in prompts]

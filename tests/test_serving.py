@@ -24,6 +24,9 @@ from draftsmith.heads.decoding.verifier import decode
 from draftsmith.heads.drafter import load_drafter
 from draftsmith.export import export
 from draftsmith.heads.runtime.target import Target
+from conftest import build_tiny_target, eagle3_checkpoint
+from conftest import prompts as tiny_prompts
+from tiny_models import FAMILIES
 
 pytestmark = pytest.mark.serving
 
@@ -277,3 +280,24 @@ def test_bench_against_vllm_ngram_times_the_drafter_against_the_free_one(default
     assert "the drafter against vLLM ngram" in (out / "report.md").read_text()
     assert report["results"][0]["groups"]["all"]["identical_text"] == 1.0
     assert "ngram" in (out / "vllm-plain.log").read_text()
+
+
+# One family beyond the default target's Llama in the default run; FAMILIES_SERVED=1 serves the whole matrix
+# of tests/tiny_models.py (docs/targets.md lists what vLLM 0.32 did with each).
+SERVED_FAMILIES = sorted(FAMILIES) if os.environ.get("FAMILIES_SERVED") == "1" else ["qwen3"]
+
+
+@pytest.mark.parametrize("family", SERVED_FAMILIES)
+def test_vllm_serves_an_eagle3_export_on_a_family_target_without_changing_its_text(family, vllm_python, tmp_path):
+    # vLLM's CPU attention wants heads of 32 or more; EAGLE-3 three distinct layers
+    directory = build_tiny_target(tmp_path / family, family, seed=3, hidden=128, head_dim=32, min_layers=4)
+    target = Target.load(str(directory), "float32")
+    eagle3_checkpoint(target, tmp_path / "ckpt", layer_ids=(1, 2, 3))
+    exported = export(tmp_path / "ckpt", "vllm", tmp_path / "export", dtype="float32")
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps([p + [3] for p in tiny_prompts(target, count=2, length=8)]))
+    plain = serve(vllm_python, path, tmp_path / "plain.json", "--max-model-len", "512", model=directory)
+    spec = serve(vllm_python, path, tmp_path / "spec.json", "--method", "eagle3", "--drafter", str(exported),
+                 "--num-speculative-tokens", "3", "--max-model-len", "512", model=directory)
+    assert spec["metrics"]["vllm:spec_decode_num_drafts"] > 0, "vLLM did not draft"
+    assert spec["tokens"] == plain["tokens"], f"{family}: vLLM's output changed when the drafter was added"

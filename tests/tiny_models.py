@@ -121,7 +121,10 @@ REFUSED = {
 }
 
 
-def make_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2):
+def make_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, head_dim: int | None = None,
+                min_layers: int = 0):
+    """head_dim: every attention head this wide (vLLM's CPU attention wants 32 or more); default: the family's.
+    min_layers: at least this many layers, the family's layer pattern repeated (three distinct EAGLE-3 layers)."""
     import transformers
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
@@ -140,19 +143,31 @@ def make_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         common["num_hidden_layers"] = extra.pop("layers", layers)
         if common["num_hidden_layers"] is None:           # the config counts its layers itself
             del common["num_hidden_layers"]
+        elif common["num_hidden_layers"] < min_layers:
+            common["num_hidden_layers"] = min_layers
+            for key in ("layer_types",):
+                if key in extra:
+                    extra[key] = (extra[key] * min_layers)[:min_layers]
+        if "mamba_n_heads" in extra:                      # Mamba's inner width is twice the hidden size
+            extra["mamba_n_heads"] = 2 * hidden // extra["mamba_d_head"]
+        if head_dim is not None and "qk_nope_head_dim" not in extra:        # MLA has its own head dims
+            extra["head_dim"] = head_dim
+            if "query_pre_attn_scalar" in extra:
+                extra["query_pre_attn_scalar"] = head_dim
         return getattr(transformers, class_name)(**{**common, **extra})
     raise ValueError(family)
 
 
 def build_tiny_target(directory: Path, family: str = "llama", seed: int = 0, vocab_size: int | None = None,
-                      sharpen: float = 4.0, layers: int = 2):
+                      sharpen: float = 4.0, layers: int = 2, hidden: int = 64, head_dim: int | None = None,
+                      min_layers: int = 0):
     """Save a random tiny causal LM + tokenizer to `directory`; `sharpen` scales the output head so
     the model's distributions are peaked like a trained model's (and greedy runs are not all ties)."""
     from transformers import AutoModelForCausalLM
 
     tok = make_tokenizer(vocab_size)
     torch.manual_seed(seed)
-    config = make_config(family, len(tok), layers=layers)
+    config = make_config(family, len(tok), hidden=hidden, layers=layers, head_dim=head_dim, min_layers=min_layers)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpen)
