@@ -222,6 +222,44 @@ def sample_pairs(target, drafter, prompt, runs, temperature, rule="auto"):
     return counts
 
 
+class OracleDrafter:
+    """Proposes the target's own greedy continuation: every draft is accepted (tau = K + 1)."""
+
+    required_layers = ()
+
+    def __init__(self, target, depth):
+        self.target, self.depth = target, depth
+        self.sequence: list[int] = []
+
+    def reset(self):
+        self.sequence = []
+
+    def observe(self, path):
+        pass
+
+    def propose(self, context):
+        from draftsmith.heads.decoding.tree import DraftTree
+        from draftsmith.heads.decoding.verifier import decode
+
+        self.sequence += context.tokens.tolist()
+        continuation = decode(self.target, self.sequence + [context.next_token], self.depth + 1).tokens
+        proposal = continuation[: self.depth]
+        return DraftTree(tokens=torch.tensor(proposal), parents=torch.arange(len(proposal)) - 1)
+
+
+def one_training_step(target, drafter, ids: torch.Tensor) -> tuple:
+    """One AdamW step of `drafter` on rows `ids` [2, 12] (loss on the last 8 tokens), with the target's
+    features computed online; returns the loss output before the step and the loss after it."""
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "loss_mask": torch.cat([torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)], 1)}
+    batch["features"] = target.features(ids, batch["attention_mask"], drafter.required_layers)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    first = drafter.loss(batch)
+    first.loss.backward()
+    optimizer.step()
+    return first, drafter.loss(batch).loss
+
+
 def medusa_checkpoint(target, directory, **config):
     from draftsmith.heads.drafter import save_drafter
     from draftsmith.heads.medusa import Medusa, MedusaConfig

@@ -1,7 +1,7 @@
 """EAGLE-3: the training-time-test attention, the draft vocabulary, exact decoding with chains and dynamic trees."""
 import pytest
 import torch
-from conftest import build_tiny_target, prompts
+from conftest import build_tiny_target, one_training_step, prompts
 from draftsmith.heads.decoding.verifier import decode
 from draftsmith.heads.decoding.dynamic_tree import TreeSettings
 from draftsmith.heads.eagle3 import Eagle3, Eagle3Config
@@ -176,15 +176,9 @@ def test_two_families_train_a_step_and_decode_exactly(family, tmp_path):
     target = Target.load(str(build_tiny_target(tmp_path / family, family, seed=4)), "float32")
     drafter = Eagle3(Eagle3Config(draft_vocab_size=48, ttt_steps=3), target)
     ids = torch.tensor([prompts(target, count=1, length=12)[0], prompts(target, count=1, length=12, seed=5)[0]])
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-             "loss_mask": torch.cat([torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)], 1)}
-    batch["features"] = target.features(ids, batch["attention_mask"], drafter.required_layers)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    first = drafter.loss(batch)
-    first.loss.backward()
-    optimizer.step()
+    first, after = one_training_step(target, drafter, ids)
     assert torch.isfinite(first.loss) and first.counted[0] > 0
-    assert drafter.loss(batch).loss < first.loss                          # the step helped
+    assert after < first.loss                                             # the step helped
     drafter.set_proposal(tree=TreeSettings(depth=3, top_k=2, total_tokens=6))
     for prompt in prompts(target, count=2):
         assert decode(target, prompt, 24, drafter=drafter).tokens == decode(target, prompt, 24).tokens

@@ -7,7 +7,7 @@ a random number of tokens (so every rollback length is exercised), and an EAGLE-
 docs/targets.md's table is these tests' rows."""
 import pytest
 import torch
-from conftest import build_tiny_target, prompts
+from conftest import OracleDrafter, build_tiny_target, one_training_step, prompts
 from tiny_models import FAMILIES, REFUSED
 
 from draftsmith.eval.engine_check import NEAR_TIE, compare
@@ -28,26 +28,16 @@ def family(request, tmp_path_factory):
     return request.param, Target.load(str(directory), "float32")
 
 
-class NoisyOracle:
-    """Proposes the target's own greedy continuation with one wrong token at a random depth (or none):
-    each step accepts a random 0..depth tokens, so every rollback length is exercised."""
-
-    required_layers = ()
+class NoisyOracle(OracleDrafter):
+    """The target's own greedy continuation with one wrong token at a random depth (or none): each step
+    accepts a random 0..depth tokens, so every rollback length is exercised."""
 
     def __init__(self, target, depth, seed=0):
-        self.target, self.depth = target, depth
+        super().__init__(target, depth)
         self.random = torch.Generator().manual_seed(seed)
-        self.sequence: list[int] = []
-
-    def reset(self):
-        self.sequence = []
-
-    def observe(self, path):
-        pass
 
     def propose(self, context):
-        self.sequence += context.tokens.tolist()
-        truth = decode(self.target, self.sequence + [context.next_token], self.depth + 1).tokens[:self.depth]
+        truth = super().propose(context).tokens.tolist()
         wrong = int(torch.randint(0, self.depth + 1, (1,), generator=self.random))
         if wrong < len(truth):
             truth[wrong] = (truth[wrong] + 1) % self.target.vocab_size
@@ -135,16 +125,9 @@ def test_medusa_and_eagle3_decode_exactly_chain_and_tree(family, kind):
 def test_an_eagle3_drafter_trains_a_step(family):
     name, target = family
     drafter = Eagle3(Eagle3Config(draft_vocab_size=None, ttt_steps=2), target)
-    ids = torch.tensor(prompts(target, count=2, length=12))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-             "loss_mask": torch.cat([torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)], 1)}
-    batch["features"] = target.features(ids, batch["attention_mask"], drafter.required_layers)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    first = drafter.loss(batch)
-    first.loss.backward()
-    optimizer.step()
-    assert torch.isfinite(first.loss), name
-    assert drafter.loss(batch).loss < first.loss, name
+    first, after = one_training_step(target, drafter, torch.tensor(prompts(target, count=2, length=12)))
+    assert torch.isfinite(first.loss) and first.counted[0] > 0, name
+    assert after < first.loss, name
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

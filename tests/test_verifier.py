@@ -6,29 +6,7 @@ from draftsmith.heads.decoding import acceptance
 from draftsmith.heads.decoding.verifier import decode
 from draftsmith.heads.medusa import Medusa, MedusaConfig
 from draftsmith.heads.decoding.tree import DraftTree, TreeShape, all_paths
-from conftest import RandomDrafter, chi_square_p_value, exact_two_token_distribution, prompts, sample_pairs
-
-
-class OracleDrafter:
-    """Proposes the target's own greedy continuation: every draft is accepted (tau = K + 1)."""
-
-    required_layers = ()
-
-    def __init__(self, target, depth):
-        self.target, self.depth = target, depth
-        self.sequence: list[int] = []
-
-    def reset(self):
-        self.sequence = []
-
-    def observe(self, path):
-        pass
-
-    def propose(self, context):
-        self.sequence += context.tokens.tolist()
-        continuation = decode(self.target, self.sequence + [context.next_token], self.depth + 1).tokens
-        proposal = continuation[: self.depth]
-        return DraftTree(tokens=torch.tensor(proposal), parents=torch.arange(len(proposal)) - 1)
+from conftest import OracleDrafter, RandomDrafter, chi_square_p_value, exact_two_token_distribution, prompts, sample_pairs
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])

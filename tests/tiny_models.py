@@ -148,8 +148,8 @@ def make_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2,
             for key in ("layer_types",):
                 if key in extra:
                     extra[key] = (extra[key] * min_layers)[:min_layers]
-        if "mamba_n_heads" in extra:                      # Mamba's inner width is twice the hidden size
-            extra["mamba_n_heads"] = 2 * hidden // extra["mamba_d_head"]
+        if "mamba_n_heads" in extra:                      # Mamba's inner width follows the hidden size
+            extra["mamba_n_heads"] = extra["mamba_n_heads"] * hidden // 64
         if head_dim is not None and "qk_nope_head_dim" not in extra:        # MLA has its own head dims
             extra["head_dim"] = head_dim
             if "query_pre_attn_scalar" in extra:
