@@ -141,6 +141,25 @@ def test_a_family_the_engine_cannot_decode_is_refused_by_name_before_its_weights
         Target.load(str(directory), "float32")
 
 
+def test_a_hybrid_target_under_a_transformers_without_recurrent_cache_layers_is_refused_by_name(tmp_path,
+                                                                                                monkeypatch):
+    """vLLM's transformers pin (older) imports draftsmith for data.backend=vllm: the engine must import there,
+    and a hybrid target be refused before its weights load, naming the version it needs."""
+    import transformers.cache_utils
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.heads.runtime import engine
+    directory = build_tiny_target(tmp_path / "qwen3_next", "qwen3_next")
+    monkeypatch.delattr(transformers.cache_utils, "DummyLayer")
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights were read"))
+    engine.recurrent_layer_classes.cache_clear()
+    try:
+        with pytest.raises(TargetError, match=f"'qwen3_next': .*needs transformers >= {engine.HYBRID_TRANSFORMERS}"):
+            Target.load(str(directory), "float32")
+    finally:
+        engine.recurrent_layer_classes.cache_clear()
+
+
 @pytest.mark.parametrize("name", ["qwen3_next", "granite4_hybrid"])
 def test_hybrid_data_generation_equals_one_by_one_decoding(name, tmp_path):
     """Continuous batching over recurrent layers: prompts prefilled alone (no padding read as tokens), the

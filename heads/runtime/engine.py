@@ -30,9 +30,11 @@ Two kinds of layer need more than keys and values:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, DummyLayer
+from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -223,17 +225,6 @@ class TreeOverRecurrentLayers(ValueError):
             "and no eval.lookup)")
 
 
-class RecurrentPassThrough(DummyLayer):
-    """An attention layer's place in the transformers cache handed to a hybrid target: it keeps nothing
-    (the engine holds that layer's keys and values) and gives the new block's keys and values back."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return key_states, value_states
-
-    def get_seq_length(self) -> int:
-        return 0
-
-
 RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
@@ -243,18 +234,47 @@ ROLLBACK_LIMIT = 64
 ROLLBACK_LIMIT tokens are recorded (a real hybrid's state is MBs a layer, so a long prefill records no more)."""
 
 
+HYBRID_TRANSFORMERS = "5.23"
+"""The first transformers release whose cache carries (and records) linear-attention and Mamba states."""
+
+
+@functools.cache
+def recurrent_layer_classes():
+    """transformers' recurrent cache layers by layer kind, its empty layer, and the engine's pass-through for an
+    attention layer's place: an attention layer keeps nothing there (the engine holds its keys and values) and
+    gets the new block's keys and values back.  Imported here, not at the top: an older transformers (vLLM's
+    pin, which imports draftsmith for data.backend=vllm) has none of them and never decodes a hybrid target."""
+    try:
+        from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DummyLayer
+    except ImportError as missing:
+        import transformers
+        raise RuntimeError(
+            f"a target with recurrent layers needs transformers >= {HYBRID_TRANSFORMERS} (this environment has "
+            f"{transformers.__version__}, whose cache has no recurrent layers: {missing}); install a newer "
+            "transformers in this environment") from None
+
+    class RecurrentPassThrough(DummyLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            return key_states, value_states
+
+        def get_seq_length(self) -> int:
+            return 0
+
+    return DYNAMIC_LAYER_TYPE_MAPPING, DummyLayer, RecurrentPassThrough
+
+
 def recurrent_cache(layer_types: list[str], block_limit: int = ROLLBACK_LIMIT, like: Cache | None = None) -> Cache | None:
     """A transformers cache for the recurrent layers of a hybrid target (None when it has none), recording
     the per-token states of a block's last `block_limit` tokens so a rejected tail can be cropped.
     like: an existing one whose layer classes to repeat (layer_types are then ignored)."""
-    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
     if like is not None:
         layers = [type(layer)() for layer in like.layers]
     elif not any(t in RECURRENT_LAYER_TYPES for t in layer_types):
         return None
     else:
-        layers = [DYNAMIC_LAYER_TYPE_MAPPING[t]() if t in RECURRENT_LAYER_TYPES else
-                  RecurrentPassThrough() if t in ATTENTION_LAYER_TYPES else DummyLayer() for t in layer_types]
+        mapping, dummy, pass_through = recurrent_layer_classes()
+        layers = [mapping[t]() if t in RECURRENT_LAYER_TYPES else
+                  pass_through() if t in ATTENTION_LAYER_TYPES else dummy() for t in layer_types]
     cache = Cache(layers=layers)
     cache.activate_past_recording(recurrent_states_to_keep=block_limit)
     return cache

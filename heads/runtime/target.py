@@ -66,11 +66,11 @@ def _require_decodable_layers(model_dir: Path, trust_remote_code: bool) -> None:
 def layer_types_of(config, num_layers: int) -> list[str]:
     """Each decoder layer's kind in transformers' cache vocabulary (full_attention, sliding_attention,
     linear_attention, ...); a layer kind the engine cannot decode is refused by name (`TargetError`)."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
     try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
         types = list(get_layer_types_and_kwargs(config)[0])[:num_layers or None]
-    except Exception:                                  # an older or custom config: all attention
-        types = ["full_attention"] * num_layers
+    except Exception:                    # an older transformers, or a custom config: what the config names
+        types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)[:num_layers or None]
     known = engine.ATTENTION_LAYER_TYPES + engine.RECURRENT_LAYER_TYPES + ("dummy",)
     unknown = sorted(set(t for t in types if t not in known))
     if getattr(config, "kv_sharing_modes", None) or getattr(config, "num_kv_shared_layers", 0):
@@ -81,6 +81,11 @@ def layer_types_of(config, num_layers: int) -> list[str]:
             "engine cannot decode (it knows attention, sliding-window attention, and linear-attention/Mamba "
             "layers); training on a feature cache and data.mode=prefill do not decode, so they may still work. "
             "See docs/targets.md")
+    if any(t in engine.RECURRENT_LAYER_TYPES for t in types):
+        try:
+            engine.recurrent_layer_classes()
+        except RuntimeError as err:
+            raise TargetError(f"target model type '{getattr(config, 'model_type', '?')}': {err}") from None
     return types
 
 
