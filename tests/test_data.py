@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import chats_file, make_tokenizer
+from tiny_models import dialogues_file
 from draftsmith.data import sources
 from draftsmith.data.chat import tokenize_chat
 from draftsmith.data.distill import DataSettings, make_data
@@ -145,20 +146,6 @@ def test_corrupted_feature_shard_is_named_and_only_it_is_rebuilt(tiny_target, tm
         feature_cache.ShardReader(victim, layers, "0123456789abcdef")
     with pytest.raises(feature_cache.CacheError, match="holds layers"):
         feature_cache.ShardReader(victim, [0, 1], tiny_target.identity.weights_sha256)
-
-
-def dialogues_file(path: Path, count: int) -> Path:
-    """Two-turn conversations with the source's own replies (for prefill)."""
-    words = ["the", "time", "is", "one", "of", "the", "day", "and", "the", "night", "of", "water", "fish", "sea"]
-    rows = []
-    for i in range(count):
-        def text(k, n):
-            return " ".join(words[(i * 3 + k + j) % len(words)] for j in range(n))
-        rows.append({"id": f"d{i}", "messages": [
-            {"role": "user", "content": text(0, 3 + i % 4)}, {"role": "assistant", "content": text(1, 6 + i % 5)},
-            {"role": "user", "content": text(2, 4)}, {"role": "assistant", "content": text(3, 5 + i % 3)}]})
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    return path
 
 
 def test_prefill_labels_are_the_targets_own_at_every_reply_position(tiny_target, tmp_path):

@@ -8,7 +8,7 @@ docs/targets.md's table is these tests' rows."""
 import pytest
 import torch
 from conftest import OracleDrafter, build_tiny_target, one_training_step, prompts
-from tiny_models import FAMILIES, REFUSED
+from tiny_models import FAMILIES, REFUSED, chats_file, dialogues_file
 
 from draftsmith.eval.engine_check import NEAR_TIE, compare
 from draftsmith.heads.decoding.dynamic_tree import TreeSettings
@@ -128,6 +128,40 @@ def test_an_eagle3_drafter_trains_a_step(family):
     first, after = one_training_step(target, drafter, torch.tensor(prompts(target, count=2, length=12)))
     assert torch.isfinite(first.loss) and first.counted[0] > 0, name
     assert after < first.loss, name
+
+
+@pytest.mark.parametrize("mode", ["regenerate", "prefill"])
+def test_data_in_each_mode_is_the_targets_own(family, mode, tmp_path):
+    """make_data as `draftsmith data` runs it: regenerated replies are the engine's plain greedy decoding
+    (which equals transformers' generate, above); prefilled dialogues keep both source replies under the loss
+    mask; the captured features equal a fresh forward over the written ids (bf16 storage)."""
+    from draftsmith.data import features as feature_cache
+    from draftsmith.data.distill import DataSettings, make_data, read_shard, shard_paths
+
+    name, target = family
+    if mode == "regenerate":
+        settings = DataSettings(source=str(chats_file(tmp_path / "c.jsonl", 5)), max_conversations=None,
+                                batch_size=3, max_new_tokens=10)
+    else:
+        settings = DataSettings(source=str(dialogues_file(tmp_path / "d.jsonl", 4)), mode="prefill",
+                                max_conversations=None, batch_size=3)
+    layers = [1, target.num_layers]
+    report = make_data(target, settings, tmp_path / "data", seed=0, progress=False, capture_layers=layers)
+    records = [(shard, r) for shard in shard_paths(tmp_path / "data") for r in read_shard(shard)]
+    assert len(records) == report.conversations == (5 if mode == "regenerate" else 4), name
+    for _, record in records:
+        mask = record["loss_mask"]
+        if mode == "regenerate":
+            prompt_len = mask.index(1)
+            assert record["input_ids"][prompt_len:] == decode(target, record["input_ids"][:prompt_len], 10).tokens, name
+        else:
+            assert sum(1 for a, b in zip([0] + mask, mask) if b and not a) == 2, name
+    for shard in sorted({shard for shard, _ in records}):
+        reader = feature_cache.ShardReader(feature_cache.cache_dir(tmp_path / "data", layers) / (shard.stem + ".safetensors"),
+                                           layers, target.identity.weights_sha256)
+        for row, expected in enumerate(feature_cache.compute_features(target, read_shard(shard), layers)):
+            got = reader.record(row).float()
+            assert torch.allclose(got[:-1], expected[:-1].float(), atol=0.05, rtol=0.02), (name, shard.stem, row)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

@@ -184,3 +184,17 @@ def chats_file(path: Path, count: int) -> Path:
         rows.append({"id": f"c{i}", "messages": [{"role": "user", "content": prompt}]})
     path.write_text("\n".join(json.dumps(r) for r in rows))
     return path
+
+
+def dialogues_file(path: Path, count: int) -> Path:
+    """Two-turn conversations with the source's own replies (for prefill)."""
+    words = ["the", "time", "is", "one", "of", "the", "day", "and", "the", "night", "of", "water", "fish", "sea"]
+    rows = []
+    for i in range(count):
+        def text(k, n):
+            return " ".join(words[(i * 3 + k + j) % len(words)] for j in range(n))
+        rows.append({"id": f"d{i}", "messages": [
+            {"role": "user", "content": text(0, 3 + i % 4)}, {"role": "assistant", "content": text(1, 6 + i % 5)},
+            {"role": "user", "content": text(2, 4)}, {"role": "assistant", "content": text(3, 5 + i % 3)}]})
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
