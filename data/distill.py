@@ -39,7 +39,7 @@ from draftsmith.heads.runtime.target import Target
 from . import features as feature_cache
 from . import sources, vllm_backend
 from .chat import tokenize_turns
-from .health import Health, HealthWatch, judge
+from .health import Health, HealthWatch, judge, reasoning_of
 from .progress import Launch, Progress, launch_from_environment
 from .regenerate import Regenerator, ShardWork, regenerate_with_vllm
 from .settings import COLUMN_DEFAULTS, DataSettings, columns
@@ -379,9 +379,10 @@ def finish(out_dir: Path, settings: DataSettings, stats, counts: dict, seconds: 
     """Index every shard's records into `tokenized/` (cut to max_seq_len); measure their health, per shard
     and in total, into `health.json` (data/health.py), and stop past its limits."""
     rows = {"id": [], "input_ids": [], "loss_mask": [], "shard": [], "row": []}
-    total, per_shard = Health(), {}
+    reasoning = reasoning_of(target.tokenizer)
+    total, per_shard = Health(reasoning), {}
     for shard in shard_paths(out_dir):
-        health = Health()
+        health = Health(reasoning)
         for row, record in enumerate(read_shard(shard)):
             health.add_record(record, target.eos_token_ids)
             mask = record["loss_mask"][: settings.max_seq_len]

@@ -5,8 +5,11 @@ wrong stop token) yields data a drafter learns to predict perfectly: held-out ag
 excellent and mean nothing.  So every data run measures, per shard and in total, over the reply
 tokens (loss_mask 1, each contiguous run one reply):
 
-- `stopped_share`: replies that end on one of the target's stop tokens; the rest were cut at
-  data.max_new_tokens (or data.max_seq_len);
+- `stopped_share`: replies that end on one of the target's stop tokens, of those not cut inside
+  reasoning; the rest were cut at data.max_new_tokens (or data.max_seq_len). Judged only where the
+  target wrote the replies (data.mode=regenerate): a prefilled reply is the source's text;
+- `cut_in_reasoning_share`: replies cut while still inside a reasoning block (a `<think>` or a harmony
+  analysis channel left open): valid on-policy text of a reasoning target, counted apart, never judged;
 - `loop_share`: reply tokens inside a repetition loop: a stretch that repeats a unit of 1-16 tokens at
   least three times in a row and is at least 8 tokens longer than its unit;
 - `distinct_share`: distinct tokens over tokens, per reply, averaged over replies (`distinct_per_reply`
@@ -43,6 +46,38 @@ LIMITS = {
 }
 MIN_REPLIES = 32      # fewer replies than this: figures are reported, never judged
 
+REASONING_MARKERS = (
+    # (opens reasoning, closes it, the vocabulary tokens that say a target uses this pair)
+    ("<think>", "</think>", ("<think>", "</think>")),                         # Qwen3, DeepSeek-R1 style
+    ("<|channel|>analysis", "<|end|>", ("<|channel|>", "<|end|>")),            # harmony (gpt-oss)
+)
+REASONING_CONTEXT = 16   # prompt tokens read before a reply (a template may open the reasoning block itself)
+
+
+@dataclass
+class Reasoning:
+    """Whether a cut reply stopped inside reasoning: after the last `open` in the reply and the prompt's
+    tail, no `close`."""
+    open: str
+    close: str
+    tokenizer: object
+
+    def inside(self, ids) -> bool:
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        opened = text.rfind(self.open)
+        return opened >= 0 and text.find(self.close, opened + len(self.open)) < 0
+
+
+def reasoning_of(tokenizer) -> Reasoning | None:
+    """The reasoning markers of a target's tokenizer (the first known pair whose tokens it has), or None."""
+    if tokenizer is None:
+        return None
+    vocab = tokenizer.get_vocab()
+    for opens, closes, tokens in REASONING_MARKERS:
+        if all(t in vocab for t in tokens):
+            return Reasoning(opens, closes, tokenizer)
+    return None
+
 
 def loop_tokens(tokens) -> int:
     """How many of `tokens` lie inside a repetition loop (see the module docstring)."""
@@ -73,21 +108,26 @@ def reply_spans(loss_mask) -> list[tuple[int, int]]:
 @dataclass
 class Health:
     """Running totals over replies; `figures()` gives the shares."""
+    reasoning: Reasoning | None = None
     replies: int = 0
     tokens: int = 0
     stopped: int = 0
+    cut_in_reasoning: int = 0
     looped: int = 0
     distinct_share_sum: float = 0.0
     distinct_sum: int = 0
     counts: Counter = field(default_factory=Counter)
 
-    def add_reply(self, tokens: list[int], stop_ids, stopped: bool | None = None) -> None:
-        """One reply; `stopped` (default: it ends on a stop token) says whether it ended by itself."""
+    def add_reply(self, tokens: list[int], stop_ids, stopped: bool | None = None, context=()) -> None:
+        """One reply; `stopped` (default: it ends on a stop token) says whether it ended by itself;
+        `context`: the prompt tokens just before it (where a template opens a reasoning block)."""
         stops = set(stop_ids)
         stopped = (bool(tokens) and tokens[-1] in stops) if stopped is None else stopped
         body = [t for t in tokens if t not in stops]
         self.replies += 1
         self.stopped += stopped
+        if not stopped and self.reasoning is not None and self.reasoning.inside(list(context) + list(tokens)):
+            self.cut_in_reasoning += 1
         if not body:
             return
         self.tokens += len(body)
@@ -98,19 +138,23 @@ class Health:
         self.counts.update(body)
 
     def add_record(self, record: dict, stop_ids) -> None:
+        ids = record["input_ids"]
         for start, end in reply_spans(record["loss_mask"]):
-            self.add_reply(record["input_ids"][start:end], stop_ids)
+            self.add_reply(ids[start:end], stop_ids, context=ids[max(0, start - REASONING_CONTEXT):start])
 
     def merge(self, other: "Health") -> None:
-        for name in ("replies", "tokens", "stopped", "looped", "distinct_share_sum", "distinct_sum"):
+        for name in ("replies", "tokens", "stopped", "cut_in_reasoning", "looped", "distinct_share_sum",
+                     "distinct_sum"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.counts.update(other.counts)
 
     def figures(self, tokenizer=None) -> dict:
         top, top_count = (self.counts.most_common(1)[0] if self.counts else (None, 0))
         replies = max(1, self.replies)
+        judged = self.replies - self.cut_in_reasoning       # a reply cut inside reasoning says nothing of stops
         out = {"replies": self.replies, "reply_tokens": self.tokens,
-               "stopped_share": self.stopped / replies,
+               "stopped_share": self.stopped / judged if judged else None,
+               "cut_in_reasoning_share": self.cut_in_reasoning / replies,
                "loop_share": self.looped / max(1, self.tokens),
                "distinct_share": self.distinct_share_sum / replies,
                "distinct_per_reply": self.distinct_sum / replies,
@@ -153,6 +197,8 @@ def verdict(figures: dict, limits: dict, min_replies: int = MIN_REPLIES, skip=()
         if name in skip:
             continue
         value = figures[name]
+        if value is None:                       # nothing to judge it on (stopped_share: every reply cut in reasoning)
+            continue
 
         def past(limit):
             return limit is not None and (value > limit if direction == "above" else value < limit)
@@ -164,10 +210,18 @@ def verdict(figures: dict, limits: dict, min_replies: int = MIN_REPLIES, skip=()
     return Verdict(warnings, stops)
 
 
+def ends(figures: dict) -> str:
+    """How the replies ended, in words."""
+    stopped = figures["stopped_share"]
+    cut = figures.get("cut_in_reasoning_share") or 0
+    return ("every one cut inside reasoning" if stopped is None else f"{stopped:.0%} end on a stop token") + (
+        f" ({cut:.0%} cut inside reasoning, not counted)" if cut and stopped is not None else "")
+
+
 def describe(figures: dict) -> str:
     top = figures.get("top_token_text", figures.get("top_token"))
-    return (f"{figures['replies']} replies, {figures['reply_tokens']} tokens: {figures['stopped_share']:.0%} end on a "
-            f"stop token, {figures['loop_share']:.1%} of tokens in repetition loops, "
+    return (f"{figures['replies']} replies, {figures['reply_tokens']} tokens: {ends(figures)}, "
+            f"{figures['loop_share']:.1%} of tokens in repetition loops, "
             f"{figures['distinct_share']:.2f} distinct tokens per token ({figures['distinct_per_reply']:.0f} per "
             f"reply), most frequent token {top!r} at {figures['top_token_share']:.1%}")
 
@@ -175,6 +229,17 @@ def describe(figures: dict) -> str:
 FIXES = ("the target may be a base model or lack its chat template: give target.chat_template (a Jinja file), "
          "or use data.mode=prefill, which labels the source's own text with the target's distribution; a target "
          "that only runs long may need a lower data.max_new_tokens")
+PREFILL_FIXES = ("in data.mode=prefill the replies are the source's own text: check data.source (and "
+                 "data.messages_field) holds real conversations, and the template renders them (target.chat_template)")
+
+
+def fixes(mode: str) -> str:
+    return PREFILL_FIXES if mode == "prefill" else FIXES
+
+
+def unjudged(mode: str) -> tuple:
+    """The figures that say nothing in a data mode: whether replies stopped, unless the target wrote them all."""
+    return () if mode == "regenerate" else ("stopped_share",)
 
 
 MIN_EVAL_REPLIES = 5
@@ -214,15 +279,15 @@ class DegenerateData(ValueError):
 LIVE_REPLIES = 128     # a run judges its data as it goes once it has this many replies
 
 
-def _stop_message(figures: dict, found: Verdict, where: str) -> str:
+def _stop_message(figures: dict, found: Verdict, where: str, mode: str = "regenerate") -> str:
     return (f"the target's data looks degenerate ({where}): {'; '.join(found.stops)}. {describe(figures)}. "
-            f"Likely fix: {FIXES}. A drafter trained on it would report high acceptance that means nothing. "
+            f"Likely fix: {fixes(mode)}. A drafter trained on it would report high acceptance that means nothing. "
             "Everything made so far is kept; to train on it anyway, set data.allow_degenerate=true")
 
 
-def _warn_message(figures: dict, found: Verdict, where: str) -> str:
+def _warn_message(figures: dict, found: Verdict, where: str, mode: str) -> str:
     return (f"data health ({where}): {'; '.join(found.warnings + found.stops)}. {describe(figures)}. "
-            f"If this is not what the target should write: {FIXES}")
+            f"If this is not what the data should be: {fixes(mode)}")
 
 
 class HealthWatch:
@@ -233,7 +298,7 @@ class HealthWatch:
     def __init__(self, settings, target):
         self.settings, self.stop_ids, self.tokenizer = settings, target.eos_token_ids, target.tokenizer
         self.limits = limits_from(settings.health)
-        self.health = Health()
+        self.health = Health(reasoning_of(target.tokenizer))
         self.warned = False
 
     def add(self, records: list[dict]) -> None:
@@ -244,11 +309,12 @@ class HealthWatch:
         if self.warned or self.health.replies < LIVE_REPLIES:
             return
         figures = self.health.figures(self.tokenizer)
-        found = verdict(figures, self.limits)
+        found = verdict(figures, self.limits, skip=unjudged(self.settings.mode))
+        where, mode = f"the first {figures['replies']} replies of this run", self.settings.mode
         if found.stops and not self.settings.allow_degenerate:
-            raise DegenerateData(_stop_message(figures, found, f"the first {figures['replies']} replies of this run"))
+            raise DegenerateData(_stop_message(figures, found, where, mode))
         if not found.healthy:
-            log.warning(_warn_message(figures, found, f"the first {figures['replies']} replies of this run"))
+            log.warning(_warn_message(figures, found, where, mode))
             self.warned = True
 
 
@@ -257,23 +323,24 @@ def judge(out_dir, settings, total: Health, per_shard: dict, tokenizer) -> dict:
     warning limits and raise DegenerateData past the stopping ones unless data.allow_degenerate."""
 
 
-    limits = limits_from(settings.health)
+    limits, skip = limits_from(settings.health), unjudged(settings.mode)
     figures = total.figures(tokenizer)
-    found = verdict(figures, limits)
-    flagged = {name: verdict(f, limits) for name, f in per_shard.items()}
+    found = verdict(figures, limits, skip=skip)
+    flagged = {name: verdict(f, limits, skip=skip) for name, f in per_shard.items()}
     flagged = {name: v.warnings + v.stops for name, v in flagged.items() if not v.healthy}
     write_atomic(Path(out_dir) / "health.json", json.dumps(
         {"total": figures, "shards": per_shard, "limits": {k: v[:2] for k, v in limits.items()},
          "warnings": found.warnings, "stops": found.stops, "flagged_shards": flagged,
-         "allow_degenerate": settings.allow_degenerate}, indent=1, default=str))
+         "mode": settings.mode, "not_judged": list(skip), "allow_degenerate": settings.allow_degenerate},
+        indent=1, default=str))
     log.info("data health: %s", describe(figures))
     if flagged:
         log.info("data health: %d of %d shards past a limit (health.json), e.g. %s", len(flagged), len(per_shard),
                  "; ".join(f"{k}: {', '.join(v)}" for k, v in list(flagged.items())[:3]))
     if found.stops and not settings.allow_degenerate:
-        raise DegenerateData(_stop_message(figures, found, f"all {figures['replies']} replies"))
+        raise DegenerateData(_stop_message(figures, found, f"all {figures['replies']} replies", settings.mode))
     if not found.healthy:
-        log.warning(_warn_message(figures, found, f"all {figures['replies']} replies"))
+        log.warning(_warn_message(figures, found, f"all {figures['replies']} replies", settings.mode))
     return figures
 
 
@@ -286,13 +353,13 @@ def require_healthy(data_dir, settings) -> None:
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
         total = saved["total"]
-        numbers = [total[name] for name in (*LIMITS, "replies")]
+        numbers = [total[name] for name in (*LIMITS, "replies") if not (name == "stopped_share" and total[name] is None)]
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
             raise TypeError("a figure is not a number")
     except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError) as err:
         raise DegenerateData(f"{path} is damaged ({type(err).__name__}: {str(err)[:80]}): it should hold the data's "
                              "health figures; delete it (the next `draftsmith data` run judges the data again), or "
                              "set data.allow_degenerate=true to train without the check") from None
-    found = verdict(total, limits_from(settings.health))
+    found = verdict(total, limits_from(settings.health), skip=saved.get("not_judged", ()))
     if found.stops:
-        raise DegenerateData(_stop_message(saved["total"], found, f"{path}"))
+        raise DegenerateData(_stop_message(saved["total"], found, f"{path}", saved.get("mode", "regenerate")))

@@ -39,6 +39,7 @@ def cmd_data(args) -> dict:
     share of the shards (data/progress.py)."""
     import torch
 
+    from draftsmith.data.health import ends
     from draftsmith.data.progress import data_launch, launch_from_environment
     from draftsmith.data.vllm_backend import use_spawn
     from draftsmith.heads.infra.device import resolve_device
@@ -71,7 +72,7 @@ def cmd_data(args) -> dict:
           f"and prefilled {report.prefilled_tokens} tokens in {report.seconds:.0f}s ({report.tokens_per_second:.0f} tok/s"
           f"{f' over {world} processes' if world > 1 else ''}); "
           f"{report.skipped_long_prompts} long prompts skipped, {report.truncated_prompts} truncated"
-          + (f"; replies: {health['stopped_share']:.0%} stopped, {health['loop_share']:.1%} in loops, top token "
+          + (f"; replies: {ends(health)}, {health['loop_share']:.1%} in loops, top token "
              f"{health['top_token_share']:.1%}" if health else "")
           + (f"; peak GPU memory {torch.cuda.max_memory_allocated(device) / 2 ** 30:.1f} GiB"
              if device.type == "cuda" else ""))

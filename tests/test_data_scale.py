@@ -271,3 +271,80 @@ def test_a_second_launch_on_the_same_directory_is_refused_on_every_rank(tiny_tar
     assert done.returncode != 0
     assert done.stderr.count("is in use by another draftsmith process") >= 2, done.stderr[-3000:]
     assert not (tmp_path / "run" / "data" / "shards").exists() or not shard_paths(tmp_path / "run" / "data")
+
+
+R1_TEMPLATE = (   # an R1-style template: the generation prompt opens the reasoning block
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}{% endif %}")
+
+
+def successor_target(directory: Path, cycle_length: int | None) -> Path:
+    """A tiny Llama that writes each word's successor on a cycle through the word tokens (every special
+    token leads to the cycle's first word), inside the reasoning block its template opens: it never closes
+    the block nor stops.  cycle_length None: through every word (long, non-repeating reasoning); 3: a loop.
+    Its layers add nothing (o_proj and down_proj zero), so the last hidden state is the token's embedding and
+    the head scores its successor."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import make_config, make_tokenizer
+    tok = make_tokenizer()
+    tok.add_tokens(["<think>", "</think>"], special_tokens=True)
+    tok.chat_template = R1_TEMPLATE
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config("llama", len(tok)))
+    special = set(tok.all_special_ids) | set(tok.convert_tokens_to_ids(["user", "assistant", "system", "<think>",
+                                                                        "</think>"]))
+    words = [i for i in range(len(tok)) if i not in special]
+    cycle = words if cycle_length is None else words[:cycle_length]
+    successor = {x: cycle[(k + 1) % len(cycle)] for k, x in enumerate(cycle)}
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        head = model.lm_head.weight
+        head.zero_()
+        for x in range(len(tok)):
+            if embed[x].norm() > 0:                 # the padding row is zero
+                head[successor.get(x, cycle[0])] += 4 * embed[x] / embed[x].norm()
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("cycle", [None, 3], ids=["long-reasoning", "looping-in-reasoning"])
+def test_replies_cut_inside_reasoning_are_counted_apart_and_a_loop_there_still_stops(cycle, tmp_path, caplog):
+    target = Target.load(str(successor_target(tmp_path / "t", cycle)), "float32", "cpu")
+    settings = DataSettings(source=str(chats_file(tmp_path / "c.jsonl", 40)), max_conversations=None,
+                            batch_size=20, max_new_tokens=24)
+    if cycle is not None:
+        with pytest.raises(DegenerateData, match=r"loop_share 1\.00.*every one cut inside reasoning"):
+            make_data(target, settings, tmp_path / "data", seed=0, progress=False)
+        return
+    with caplog.at_level(logging.WARNING):
+        report = make_data(target, settings, tmp_path / "data", seed=0, progress=False)
+    figures = report.health
+    assert figures["replies"] == 40 and figures["cut_in_reasoning_share"] == 1.0, figures
+    assert figures["stopped_share"] is None and figures["loop_share"] == 0 and figures["distinct_share"] == 1.0
+    assert "data health" not in caplog.text             # a healthy reasoning model cut at max_new_tokens
+    require_healthy(tmp_path / "data", settings)
+
+
+def test_prefilled_replies_are_not_judged_by_whether_they_stop(tiny_target_dir, tmp_path, caplog):
+    """In data.mode=prefill the replies are the source's text: a base model's run (plain text, no stop token
+    after a reply) must not warn that few replies stop, and junk in the source is named as the source's."""
+    target = Target.load(str(tiny_target_dir), "float32", "cpu", chat={"template": "none"})
+    settings = DataSettings(source=str(healthy_file(tmp_path / "h.jsonl", 40)), max_conversations=None,
+                            batch_size=20, mode="prefill")
+    with caplog.at_level(logging.WARNING):
+        report = make_data(target, settings, tmp_path / "data", seed=0, progress=False)
+    assert report.health["stopped_share"] < 0.1           # what the old rule warned about
+    assert "data health" not in caplog.text
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": "the day"},
+                                                      {"role": "assistant", "content": " ".join(["of"] * 30)}]})
+                              for _ in range(40)))
+    with pytest.raises(DegenerateData, match=r"loop_share 1\.00") as raised:
+        make_data(target, DataSettings(**{**settings.__dict__, "source": str(junk)}), tmp_path / "junk", seed=0,
+                  progress=False)
+    assert "source's own text" in str(raised.value) and "use data.mode=prefill" not in str(raised.value)
