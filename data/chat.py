@@ -75,7 +75,7 @@ def assistant_spans(tokenizer, messages: list[dict], add_generation_prompt: bool
         through = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if text.startswith(before) and text.startswith(through) and len(through) > len(before):
             spans.append((len(before), len(through)))
-        elif i == last:
+        elif i == last and i == len(messages) - 1:       # the reply being trained: it must be found
             raise ChatTemplateError(
                 "the chat template does not render a conversation as a growing prefix even for its last reply "
                 f"(turn {i}), so assistant tokens cannot be located; give a template that does "
@@ -121,6 +121,91 @@ def _tokenize(tokenizer, text: str, spans: list[tuple[int, int]], max_length: in
     if truncated:
         ids, mask = ids[:max_length], mask[:max_length]
     return TokenizedChat(ids, mask, truncated)
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """How a reasoning target marks its reasoning in what it writes (matched as token sequences, so a
+    tokenizer's decoding spaces do not matter)."""
+    name: str
+    open: str              # opens the reasoning
+    close: str             # closes it
+    answer: str            # what opens the answer after it ("": the answer follows `close`)
+    key: str               # the message field the family's templates read earlier reasoning from
+    tokens: tuple          # vocabulary tokens that say a target writes this format
+
+
+REASONING_FORMATS = (
+    ReasoningFormat("think", "<think>", "</think>", "", "reasoning_content", ("<think>", "</think>")),   # Qwen3, R1
+    ReasoningFormat("harmony", "<|channel|>analysis<|message|>", "<|end|>", "<|channel|>final<|message|>", "thinking",
+                    ("<|channel|>", "<|message|>", "<|end|>")),                                           # gpt-oss
+)
+
+
+def _find(ids: list[int], part: list[int], start: int = 0, last: bool = False) -> int:
+    """Where `part` occurs in `ids` at or after `start` (the last occurrence with last=True), or -1."""
+    found = -1
+    for i in range(start, len(ids) - len(part) + 1):
+        if part and ids[i:i + len(part)] == part:
+            if not last:
+                return i
+            found = i
+    return found
+
+
+class Reasoning:
+    """A target's reasoning format, read in token ids."""
+
+    def __init__(self, form: ReasoningFormat, tokenizer):
+        self.form, self.tokenizer = form, tokenizer
+        ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        self.open, self.close, self.answer = ids(form.open), ids(form.close), ids(form.answer)
+
+    def inside(self, ids) -> bool:
+        """Whether `ids` end inside reasoning: a last `open` with no `close` after it."""
+        ids = list(ids)
+        opened = _find(ids, self.open, last=True)
+        return opened >= 0 and _find(ids, self.close, opened + len(self.open)) < 0
+
+    def reply_message(self, ids: list[int]) -> dict | None:
+        """The assistant message a chat client sends back for a reply the target wrote: its answer as the
+        content and its reasoning under the family's field (templates drop or keep it as the server does);
+        None when the reply holds no complete reasoning block."""
+        ids = list(ids)
+        opened = _find(ids, self.open)
+        start = opened + len(self.open) if opened >= 0 else 0     # the template may have opened it
+        closed = _find(ids, self.close, start)
+        if closed < 0:
+            return None
+        if self.answer:
+            answer = _find(ids, self.answer, closed)
+            if answer < 0:
+                return None
+            content = ids[answer + len(self.answer):]
+        else:
+            content = ids[closed + len(self.close):]
+        reasoning = ids[start:closed]
+        text = lambda part: self.tokenizer.decode(part, skip_special_tokens=True).strip()  # noqa: E731
+        return {"role": "assistant", "content": text(content), self.form.key: text(reasoning)}
+
+
+def reasoning_of(tokenizer) -> Reasoning | None:
+    """The reasoning format of a target's tokenizer (the first known one whose tokens it has), or None."""
+    if tokenizer is None:
+        return None
+    vocab = tokenizer.get_vocab()
+    for form in REASONING_FORMATS:
+        if all(t in vocab for t in form.tokens):
+            return Reasoning(form, tokenizer)
+    return None
+
+
+def reply_message(tokenizer, ids: list[int]) -> dict:
+    """The assistant turn a regenerated reply becomes in the chat's history: answer and reasoning apart
+    where the target writes a known reasoning format, else the reply's text."""
+    reasoning = reasoning_of(tokenizer)
+    message = reasoning.reply_message(ids) if reasoning else None
+    return message or {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -32,6 +32,8 @@ import numpy as np
 
 from draftsmith.heads.infra.files import write_atomic
 
+from .chat import Reasoning, reasoning_of
+
 log = logging.getLogger(__name__)
 
 MAX_PERIOD = 16
@@ -46,37 +48,7 @@ LIMITS = {
 }
 MIN_REPLIES = 32      # fewer replies than this: figures are reported, never judged
 
-REASONING_MARKERS = (
-    # (opens reasoning, closes it, the vocabulary tokens that say a target uses this pair)
-    ("<think>", "</think>", ("<think>", "</think>")),                         # Qwen3, DeepSeek-R1 style
-    ("<|channel|>analysis", "<|end|>", ("<|channel|>", "<|end|>")),            # harmony (gpt-oss)
-)
 REASONING_CONTEXT = 16   # prompt tokens read before a reply (a template may open the reasoning block itself)
-
-
-@dataclass
-class Reasoning:
-    """Whether a cut reply stopped inside reasoning: after the last `open` in the reply and the prompt's
-    tail, no `close`."""
-    open: str
-    close: str
-    tokenizer: object
-
-    def inside(self, ids) -> bool:
-        text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
-        opened = text.rfind(self.open)
-        return opened >= 0 and text.find(self.close, opened + len(self.open)) < 0
-
-
-def reasoning_of(tokenizer) -> Reasoning | None:
-    """The reasoning markers of a target's tokenizer (the first known pair whose tokens it has), or None."""
-    if tokenizer is None:
-        return None
-    vocab = tokenizer.get_vocab()
-    for opens, closes, tokens in REASONING_MARKERS:
-        if all(t in vocab for t in tokens):
-            return Reasoning(opens, closes, tokenizer)
-    return None
 
 
 def loop_tokens(tokens) -> int:

@@ -19,7 +19,7 @@ import torch
 from draftsmith.heads.runtime.target import Target
 
 from . import sources
-from .chat import tokenize_chat
+from .chat import reply_message, tokenize_chat
 from .stream import Job, Stream
 
 
@@ -79,18 +79,23 @@ class ShardWork:
         """File a finished reply; True if the conversation goes on to its next turn."""
         conv = self.batch[position]
         reply_ids = [t for t in out.token_ids if t not in self.target.eos_token_ids]
-        reply = self.target.tokenizer.decode(reply_ids, skip_special_tokens=True)
-        if not reply.strip():
+        reply = reply_message(self.target.tokenizer, reply_ids)
+        if not (reply["content"].strip() or any(v.strip() for k, v in reply.items() if k not in ("role", "content"))):
             return False
         self.counts["generated_tokens"] += len(out.token_ids)
-        self.chats[conv.id] = messages + [{"role": "assistant", "content": reply}]
-        self.records[conv.id] = {"id": conv.id, "messages": self.chats[conv.id],
-                                 "input_ids": prompt.input_ids + out.token_ids,
-                                 "loss_mask": prompt.loss_mask + [1] * len(out.token_ids), "features": out.features}
+        self.chats[conv.id] = messages + [reply]
+        record = {"id": conv.id, "messages": self.chats[conv.id], "input_ids": prompt.input_ids + out.token_ids,
+                  "loss_mask": prompt.loss_mask + [1] * len(out.token_ids), "features": out.features}
+        rows = self.records.setdefault(conv.id, [])
+        if rows and record["input_ids"][:len(rows[-1]["input_ids"])] == rows[-1]["input_ids"]:
+            rows.pop()                # the new row holds the last one whole, its reply marked: one row
+        elif rows:                    # the template rewrote the last reply (dropped its reasoning): a row of its own
+            rows[-1]["id"] = f"{conv.id}#turn{sum(m['role'] == 'assistant' for m in rows[-1]['messages'])}"
+        rows.append(record)
         return out.stopped            # a reply cut at max_new_tokens ends the conversation
 
     def result(self) -> list[dict]:
-        return [self.records[c.id] for c in self.batch if c.id in self.records]
+        return [row for c in self.batch for row in self.records.get(c.id, [])]
 
 
 def regenerate_with_vllm(engine, works: list[ShardWork], on_tokens) -> None:
@@ -150,8 +155,7 @@ class Regenerator:
         if self.write_part is None:
             return
         for index, work in list(self.inflight.items()):
-            records = [work.records[c.id] for p, c in enumerate(work.batch) if p in work.finished
-                       and c.id in work.records]
+            records = [row for p, c in enumerate(work.batch) if p in work.finished for row in work.records.get(c.id, [])]
             if records:
                 self.write_part(index, records)
                 self.kept_parts += len(records)

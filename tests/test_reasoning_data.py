@@ -1,0 +1,174 @@
+"""Reasoning targets' data: each regenerated turn is rendered as the target's template renders the chat at
+that turn (a server renders it the same way), with the loss over exactly the tokens the target generated.
+
+Three templates written here, one per style of 2026's reasoning targets:
+- Qwen3 style: `<think>` blocks, earlier turns' reasoning dropped from the history (read from
+  `reasoning_content`, or split off the content), `enable_thinking=false` opening an empty block;
+- harmony style (gpt-oss): analysis and final channels, earlier turns' analysis dropped (`thinking`);
+- R1 style: the generation prompt opens `<think>` itself; the history keeps answers only.
+The replies are scripted token ids given to the real `ShardWork` (data/regenerate.py), as the engine
+gives them: what is checked is the rendering and the mask, token by token."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from draftsmith.data.chat import reasoning_of, render, reply_message
+from draftsmith.data.health import Health
+from draftsmith.data.regenerate import ShardWork
+from draftsmith.data.settings import DataSettings
+from draftsmith.data.sources import Conversation
+from draftsmith.heads.runtime.target import Target
+
+QWEN3_STYLE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- set content = m.content -%}"
+    "{%- set reasoning = m.reasoning_content if m.reasoning_content is string else '' -%}"
+    "{%- if not reasoning and '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip() -%}"
+    "{%- set content = content.split('</think>')[-1].strip() -%}{%- endif -%}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{%- if loop.index0 > ns.last_user and reasoning -%}{{ '<think>\n' + reasoning + '\n</think>\n\n' }}{%- endif -%}"
+    "{{ content + '<|im_end|>\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking -%}{{ '<think>\n\n</think>\n\n' }}{%- endif -%}"
+    "{%- endif -%}")
+
+HARMONY_STYLE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- if loop.index0 > ns.last_user and m.thinking -%}"
+    "{{ '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' }}{%- endif -%}"
+    "{{ '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' }}"
+    "{%- else -%}{{ '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|start|>assistant' }}{%- endif -%}")
+
+R1_STYLE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}{{ '<|User|>' + m.content }}"
+    "{%- elif m.role == 'assistant' -%}{%- set c = m.content -%}"
+    "{%- if '</think>' in c -%}{%- set c = c.split('</think>')[-1] -%}{%- endif -%}"
+    "{{ '<|Assistant|>' + c + '<|eos|>' }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|Assistant|><think>\n' }}{%- endif -%}")
+
+STYLES = {
+    # template, (special tokens, other added tokens, stop token), the two scripted replies, the prompts of
+    # both turns as the template renders them (the first reply's reasoning gone from the second)
+    "qwen3": (QWEN3_STYLE, ([], ["<think>", "</think>"], "<|im_end|>"),
+              ["<think> one of the day </think> the sea", "<think> water </think> the night"],
+              ["<|im_start|>user\nthe time<|im_end|>\n<|im_start|>assistant\n",
+               "<|im_start|>user\nthe time<|im_end|>\n<|im_start|>assistant\nthe sea<|im_end|>\n"
+               "<|im_start|>user\nwater is<|im_end|>\n<|im_start|>assistant\n"]),
+    "harmony": (HARMONY_STYLE, (["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"],
+                                ["analysis", "final"], "<|return|>"),
+                ["<|channel|>analysis<|message|> one of the day <|end|><|start|>assistant<|channel|>final<|message|> "
+                 "the sea", "<|channel|>analysis<|message|> water <|end|><|start|>assistant<|channel|>final"
+                 "<|message|> the night"],
+                ["<|start|>user<|message|>the time<|end|><|start|>assistant",
+                 "<|start|>user<|message|>the time<|end|><|start|>assistant<|channel|>final<|message|>the sea<|end|>"
+                 "<|start|>user<|message|>water is<|end|><|start|>assistant"]),
+    "r1": (R1_STYLE, (["<|User|>", "<|Assistant|>", "<|eos|>"], ["<think>", "</think>"], "<|eos|>"),
+           ["one of the day </think> the sea", "water </think> the night"],
+           ["<|User|>the time<|Assistant|><think>\n",
+            "<|User|>the time<|Assistant|>the sea<|eos|><|User|>water is<|Assistant|><think>\n"]),
+}
+
+
+def styled_target(directory, style: str, **chat) -> Target:
+    """A tiny Llama whose tokenizer has the style's tokens and template (random weights: the replies are
+    scripted, never decoded)."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import make_config, make_tokenizer
+    template, (special, added, stop), _, _ = STYLES[style]
+    tok = make_tokenizer()
+    tok.add_tokens(special, special_tokens=True)
+    tok.add_tokens(added)
+    tok.eos_token = stop
+    tok.chat_template = template
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(make_config("llama", len(tok))).save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return Target.load(str(directory), "float32", "cpu", chat=chat or None)
+
+
+def ids(target, text: str) -> list[int]:
+    return target.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def regenerate(target, replies: list[str], **settings):
+    """Both turns of one two-question conversation through ShardWork, the replies given as the engine
+    would give them (their ids, then the stop token): the prompts it rendered and the rows it keeps."""
+    conv = Conversation("c0", [{"role": "user", "content": "the time"}, {"role": "assistant", "content": "x"},
+                               {"role": "user", "content": "water is"}])
+    work = ShardWork(target, 0, [conv], DataSettings(max_turns=2, **settings), seed=0,
+                     counts={"generated_tokens": 0, "skipped_long_prompts": 0, "truncated_prompts": 0})
+    prompts, generated = [], []
+    for turn, reply in enumerate(replies):
+        messages, prompt = work.next_job(0, turn)
+        prompts.append((render(target.tokenizer, messages, add_generation_prompt=True), prompt.input_ids))
+        generated.append(ids(target, reply) + [target.tokenizer.eos_token_id])
+        work.take(0, messages, prompt, SimpleNamespace(token_ids=generated[-1], stopped=True, features=None))
+    return prompts, generated, work.result()
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_each_turn_is_rendered_as_the_template_renders_it_and_only_generated_tokens_are_trained(style, tmp_path):
+    target = styled_target(tmp_path / style, style)
+    _, _, replies, expected = STYLES[style]
+    prompts, generated, rows = regenerate(target, replies)
+    assert [text for text, _ in prompts] == expected            # the second without the first's reasoning
+    assert [prompt for _, prompt in prompts] == [ids(target, text) for text in expected]
+    # the template rewrote the first reply in the second prompt: each turn is a row of its own, as it was seen
+    assert [r["id"] for r in rows] == ["c0#turn1", "c0"]
+    for row, (_, prompt), reply in zip(rows, prompts, generated):
+        assert row["input_ids"] == prompt + reply
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * len(reply)
+    history = rows[1]["messages"][1]
+    assert history["content"] == "the sea" and "one of the day" in history.values(), history
+
+
+def test_thinking_off_opens_an_empty_block_in_the_prompt_and_it_is_not_trained(tmp_path):
+    target = styled_target(tmp_path / "q", "qwen3", kwargs={"enable_thinking": False})
+    prompts, generated, rows = regenerate(target, ["the sea", "the night"])
+    assert prompts[0][0] == "<|im_start|>user\nthe time<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert ids(target, "<think> </think>") == prompts[0][1][-2:]
+    for row, (_, prompt), reply in zip(rows, prompts, generated):
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * len(reply)
+
+
+def test_a_template_that_keeps_each_reply_gives_one_row_with_both_replies_trained(tmp_path):
+    """The tiny target's own template renders a chat as a growing prefix: the second turn's row holds the
+    first reply as it was written, so one row carries both, each marked."""
+    from conftest import build_tiny_target
+    target = Target.load(str(build_tiny_target(tmp_path / "t", "llama")), "float32", "cpu")
+    prompts, generated, rows = regenerate(target, ["the sea", "the night"])
+    assert len(rows) == 1 and rows[0]["id"] == "c0"
+    assert rows[0]["input_ids"] == prompts[1][1] + generated[1]
+    assert sum(rows[0]["loss_mask"]) == len(generated[0]) + len(generated[1])
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_a_reply_cut_inside_reasoning_is_told_from_one_cut_in_its_answer(style, tmp_path):
+    target = styled_target(tmp_path / style, style)
+    reasoning = reasoning_of(target.tokenizer)
+    assert reasoning is not None
+    _, _, replies, expected = STYLES[style]
+    prompt, reply = ids(target, expected[0]), ids(target, replies[0])
+    answer_starts = {"qwen3": "</think>", "harmony": "<|end|>", "r1": "</think>"}[style]
+    cut = len(ids(target, replies[0].split(answer_starts)[0]))
+    health = Health(reasoning)
+    health.add_reply(reply[:cut], [], stopped=False, context=prompt[-16:])        # inside the reasoning
+    health.add_reply(reply, [], stopped=False, context=prompt[-16:])              # in the answer
+    assert health.cut_in_reasoning == 1
+    assert reply_message(target.tokenizer, reply[:cut])["content"] != "the sea"    # no answer yet: kept as text
