@@ -174,6 +174,11 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
     indexes them all once every rank is done; the others return None).  full_target: loads the whole
     target, when `target` holds only its embedding and head (data.backend=vllm: the feature pass)."""
     launch = launch or Launch()
+    context = target.context_length
+    if context and settings.max_seq_len > context:
+        raise ValueError(f"data.max_seq_len={settings.max_seq_len} is larger than the context of target "
+                         f"'{target.name}', {context} positions (max_position_embeddings in its config): "
+                         f"set data.max_seq_len={context} or less")
     out_dir = Path(out_dir)
     (out_dir / "shards").mkdir(parents=True, exist_ok=True)
     if launch.main:

@@ -255,7 +255,7 @@ def test_the_disk_estimate_comes_from_measured_lengths_not_the_maximum(tiny_targ
     """Before any shard: a probe of the source's conversations, said so; after some: the shards' own
     mean length.  Both far below the per-conversation maximum (max_prompt_tokens + max_new_tokens)."""
     settings = DataSettings(source=str(chats_file(tmp_path / "c.jsonl", 16)), max_conversations=None, batch_size=4,
-                            max_new_tokens=16, max_prompt_tokens=2048, max_seq_len=4096)
+                            max_new_tokens=16, max_prompt_tokens=1024, max_seq_len=2048)
     from draftsmith.data import sources
     from draftsmith.data.distill import columns, read_shard
     convs = list(sources.conversations(settings.source, columns=columns(settings)))

@@ -448,3 +448,11 @@ def test_any_dataset_through_load_dataset_parquet_with_a_column_mapping(tiny_tar
     assert sorted(table["id"]) == rows["id"] and all(sum(m) > 0 for m in table["loss_mask"])
     with pytest.raises(ValueError, match="name two ways to read a chat"):
         DataSettings(messages_field="chat", prompt_field="question")
+
+
+def test_a_max_seq_len_past_the_targets_context_is_refused_before_any_work(tiny_target, tmp_path):
+    settings = DataSettings(source=str(chats_file(tmp_path / "c.jsonl", 4)), max_seq_len=4096)
+    with pytest.raises(ValueError, match=r"data\.max_seq_len=4096 is larger than the context of target .*2048 "
+                                         r"positions.*set data\.max_seq_len=2048 or less"):
+        make_data(tiny_target, settings, tmp_path / "data", seed=0, progress=False)
+    assert not (tmp_path / "data").exists()

@@ -228,17 +228,17 @@ def test_5_an_injected_template_is_one_line(trained, tmp_path, capsys):
 def test_6_a_prompt_longer_than_the_context_is_cut_with_a_warning_or_refused(tiny_target, tmp_path, capsys, caplog):
     medusa_checkpoint(tiny_target, tmp_path / "ckpt", num_heads=2, lm_head="own")
     long = tmp_path / "long.jsonl"
-    long.write_text(json.dumps({"id": "long", "prompt": " ".join(["the day"] * 400)}) + "\n")   # 800 > 512 positions
+    long.write_text(json.dumps({"id": "long", "prompt": " ".join(["the day"] * 1100)}) + "\n")   # 2200 > 2048 positions
     argv = ("eval", tmp_path / "ckpt", "--prompts", long, "--limit", "1", "--max-new-tokens", "4", "--exact-prompts",
             "1", "--baselines", "plain")
     with caplog.at_level(logging.WARNING, logger="draftsmith"):
         assert run_cli(capsys, *argv)[0] == 0
-    assert "longer than the target's context of 512" in caplog.text and "'long'" in caplog.text
+    assert "longer than the target's context of 2048" in caplog.text and "'long'" in caplog.text
     code, line = run_cli(capsys, *argv, "--long-prompts", "refuse")
-    assert code == 2 and "prompt 'long' has" in line and "does not fit the target's context of 512" in line
+    assert code == 2 and "prompt 'long' has" in line and "does not fit the target's context of 2048" in line
     code, line = run_cli(capsys, "bench", tmp_path / "ckpt", "--prompts", long, "--limit", "1", "--repeats", "1",
                          "--max-new-tokens", "4", "--out", tmp_path / "bench", "--long-prompts", "refuse")
-    assert code == 2 and "does not fit the target's context of 512" in line
+    assert code == 2 and "does not fit the target's context of 2048" in line
 
 
 def test_7_a_missing_checksum_is_a_warning_or_with_the_setting_an_error(tiny_target, tmp_path, capsys, caplog):

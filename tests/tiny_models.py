@@ -129,7 +129,7 @@ def make_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2,
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=2,
                   pad_token_id=2, bos_token_id=1, tie_word_embeddings=False)
     if family == "llama":
         return LlamaConfig(**common)
