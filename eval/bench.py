@@ -119,6 +119,8 @@ def summarize_group(runs: list[Run], cost_per_hour: float | None, positions: int
                               for repeat in sorted(set(repeats))],
         "tau": metrics.tau(accepted),
         "per_position_acceptance": metrics.per_position_acceptance(accepted, positions),
+        "acceptance_by_context": metrics.acceptance_by_context(
+            [(r.prompt_tokens, r.accepted) for r in by_mode["speculative"]], positions),
         "verdict": verdict(low, high, len(pairs)),
     })
     if runs and runs[0].temperature <= 0:
@@ -144,7 +146,8 @@ def sweep(target, drafter, traffic: Traffic, settings: BenchSettings, progress=N
                         result = decode(target, request.prompt, request.max_tokens,
                                         drafter if mode == "speculative" else None, temperature, generator=gen)
                         pair.append(Run(request.id, request.category, temperature, repeat, mode, result.seconds,
-                                        result.first_token_seconds, result.tokens, result.accepted))
+                                        result.first_token_seconds, result.tokens, result.accepted,
+                                        prompt_tokens=len(request.prompt)))
                         if progress is not None:
                             progress.update(1)
                     runs.extend(pair)

@@ -10,7 +10,9 @@ from pathlib import Path
 from draftsmith.data.health import eval_line
 from draftsmith.heads.infra.files import write_atomic
 
-PLOTS = ("speedup.png", "latency.png", "acceptance.png", "speedup-by-concurrency.png")
+from .report import by_context_line
+
+PLOTS = ("speedup.png", "latency.png", "acceptance.png", "acceptance-by-context.png", "speedup-by-concurrency.png")
 COLUMNS = ["category", "requests", "speedup (interval)", "verdict", "TTFT p50 before → after",
            "total p50 / p90 before → after (s)", "tokens/s before → after", "tau", "identical text", "cost/request"]
 
@@ -78,6 +80,8 @@ def markdown(report: dict, plots: list[str] = ()) -> str:
         if "all" in groups:
             lines += ["", "per-position acceptance (all): "
                       + " ".join(f"{a:.2f}" for a in groups["all"]["per_position_acceptance"])]
+            if groups["all"].get("acceptance_by_context"):
+                lines += ["", "by context length (all): " + by_context_line(groups["all"]["acceptance_by_context"])]
         lines.append("")
     lines += [f"![{name}]({name})" for name in plots]
     return "\n".join(lines) + "\n"
@@ -113,14 +117,17 @@ def plot(report: dict, out_dir: Path) -> list[str]:
     levels = [level for level in report["results"] if level["groups"]]
     if not levels:
         return []
-    figures = [speedup_figure(plt, levels), latency_figure(plt, levels[0]), acceptance_figure(plt, levels)]
+    figures = {"speedup.png": speedup_figure(plt, levels), "latency.png": latency_figure(plt, levels[0]),
+               "acceptance.png": acceptance_figure(plt, levels)}
+    if any(level["groups"].get("all", {}).get("acceptance_by_context") for level in levels):
+        figures["acceptance-by-context.png"] = context_figure(plt, levels)
     if len({level["concurrency"] for level in levels}) > 1:
-        figures.append(concurrency_figure(plt, levels))
-    for fig, name in zip(figures, PLOTS):
+        figures["speedup-by-concurrency.png"] = concurrency_figure(plt, levels)
+    for name, fig in figures.items():
         fig.tight_layout()
         fig.savefig(out_dir / name, dpi=100)
         plt.close(fig)
-    return list(PLOTS[:len(figures)])
+    return [name for name in PLOTS if name in figures]
 
 
 def speedup_figure(plt, levels: list[dict]):
@@ -165,6 +172,19 @@ def acceptance_figure(plt, levels: list[dict]):
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance (fraction of steps)")
     ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def context_figure(plt, levels: list[dict]):
+    """Tau by the context length at each verification step (docs/metrics.md), one line per load level."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for level in levels:
+        buckets = level["groups"].get("all", {}).get("acceptance_by_context") or []
+        if buckets:
+            ax.plot([b["context"] for b in buckets], [b["tau"] for b in buckets], marker="o", label=level_name(level))
+    ax.set_xlabel("context length at the step (tokens)")
+    ax.set_ylabel("tau (tokens per target forward)")
     ax.legend(fontsize=7)
     return fig
 

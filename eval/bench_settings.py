@@ -25,6 +25,7 @@ class Run:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)
     concurrency: int = 1
+    prompt_tokens: int = 0
 
 
 @dataclass

@@ -98,6 +98,7 @@ class EvalReport:
     engine_check: dict | None = None         # its details (eval/engine_check.py): prompts, tokens, near-ties, mismatch
     drift: dict | None = None                # Medusa-2: the adapted target against the original (eval/drift.py)
     target_health: dict | None = None        # data/health.py figures of the target's own plain output here
+    acceptance_by_context: list | None = None  # tau and a_j by the context length at each step (metrics.py)
     per_prompt: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -309,6 +310,8 @@ def summarize(checkpoint, config, target_path, options, description, dtype, resu
         dtype=str(dtype).replace("torch.", ""), proposal=description, temperature=options.temperature,
         max_new_tokens=options.max_new_tokens, prompts=len(results), tau=metrics.tau(accepted),
         per_position_acceptance=per_position, conditional_acceptance=metrics.conditional_acceptance(per_position),
+        acceptance_by_context=metrics.acceptance_by_context([(r.prompt_tokens, r.accepted) for r in results],
+                                                            max(depth, 1)),
         tokens_per_second=rate, speedup_vs_plain=ratio("plain"), speedup_vs_generate=ratio("generate"),
         speedup_vs_prompt_lookup=ratio("prompt-lookup"), greedy_exact=exact, exact_checked_prompts=exact_count,
         first_mismatch=mismatch, bf16_token_agreement=bf16,

@@ -38,6 +38,7 @@ def markdown(report: EvalReport) -> str:
         f"- sized: {report.sizing}",
         "- per-position acceptance: " + " ".join(f"{a:.2f}" for a in report.per_position_acceptance)
         + "  (conditional: " + " ".join(f"{a:.2f}" for a in report.conditional_acceptance) + ")",
+        "- by context length: " + by_context_line(report.acceptance_by_context or []),
         f"- greedy exact (fp32, {report.exact_checked_prompts} prompts): **{report.greedy_exact}**"
         + (f" (first mismatch: {report.first_mismatch})" if report.first_mismatch else ""),
     ]
@@ -75,3 +76,8 @@ def write_json(report: EvalReport, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(report.to_dict(), indent=2))
+
+
+def by_context_line(buckets: list[dict]) -> str:
+    """Tau per context-length bucket, with its steps (docs/metrics.md)."""
+    return ", ".join(f"{b['context']} tau {b['tau']:.2f} ({b['steps']} steps)" for b in buckets) or "no steps"

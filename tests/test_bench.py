@@ -43,10 +43,13 @@ def test_bench_reports_every_category_with_plots_and_a_verdict(checkpoint, tmp_p
     # a request's own max_tokens holds
     assert all(len(r["tokens"]) <= 3 for r in report["runs"] if r["request"] == "short")
     assert max(len(r["tokens"]) for r in report["runs"]) <= 8
-    for name in ("speedup.png", "latency.png", "acceptance.png"):
+    for name in ("speedup.png", "latency.png", "acceptance.png", "acceptance-by-context.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     page = (out / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 3 and "Recommendation" in page
+    assert page.count("data:image/png;base64,") == 4 and "Recommendation" in page
+    steps = [a for r in report["runs"] if r["mode"] == "speculative" for a in r["accepted"]]
+    assert [b["context"] for b in groups["all"]["acceptance_by_context"]] == ["0-1k"]     # short prompts
+    assert groups["all"]["acceptance_by_context"][0]["steps"] == len(steps)
     md = (out / "report.md").read_text()
     assert "| code |" in md and "![speedup.png](speedup.png)" in md
     assert "Recommendation" in capsys.readouterr().out
@@ -208,3 +211,16 @@ def test_the_export_readme_carries_the_measured_serving_config(tiny_target, tmp_
     with pytest.raises(ExportError, match="holds no measured serving_config"):
         export(tmp_path / "ckpt", "vllm", tmp_path / "other", dtype="float32", serving_report=report)
     assert not (tmp_path / "other").exists()
+
+
+def test_acceptance_by_context_length_counts_each_step_where_its_context_is():
+    """A step's context is the prompt plus every token emitted before it (hand-computed buckets)."""
+    from draftsmith.heads.decoding.metrics import acceptance_by_context
+    runs = [(1020, [2, 1, 3]),      # contexts 1020, 1023 (0-1k), 1025 (1k-2k)
+            (2047, [1, 0]),         # 2047 (1k-2k), 2049 (2k-4k)
+            (9000, [0])]            # 8k+
+    buckets = acceptance_by_context(runs, 3)
+    assert [(b["context"], b["steps"], b["tau"]) for b in buckets] == [
+        ("0-1k", 2, 2.5), ("1k-2k", 2, 3.0), ("2k-4k", 1, 1.0), ("8k+", 1, 1.0)]
+    assert buckets[0]["per_position_acceptance"] == [1.0, 0.5, 0.0]
+    assert buckets[1]["per_position_acceptance"] == [1.0, 0.5, 0.5]

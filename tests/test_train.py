@@ -218,6 +218,8 @@ def test_the_python_api_of_the_docs_runs(tiny_target_dir, tmp_path):
                                                      exact_prompts=1, baselines=("plain",)), progress=False)
     assert result.greedy_exact and result.tau >= 1.0
     assert result.engine_matches_transformers is True and result.engine_check["tokens"] >= 1
+    steps = sum(len(r["accepted"]) for r in result.per_prompt)
+    assert sum(b["steps"] for b in result.acceptance_by_context) == steps > 0
     out = export(report.checkpoint, "vllm", tmp_path / "vllm")
     assert (Path(out) / "model.safetensors").is_file()
     assert load_recipe("medusa-smollm2-135m").method == "medusa"          # a shipped recipe, by name

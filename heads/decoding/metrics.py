@@ -8,6 +8,8 @@
 - simulated tau (training): 1 + a0 + a0*a1 + ..., from the teacher-forced
   top-1 agreement of each draft position.
 - speedup: baseline wall time / speculative wall time, same prompts.
+- acceptance by context length: tau and a_j over the verification steps whose context (the prompt
+  and every token emitted before the step) falls in a bucket (0-1k, 1k-2k, 2k-4k, 4k-8k, 8k+).
 """
 from __future__ import annotations
 
@@ -46,3 +48,34 @@ def simulated_tau(top1_agreement: Sequence[float]) -> float:
         total += running
     return total
 
+
+
+CONTEXT_EDGES = (0, 1024, 2048, 4096, 8192)
+
+
+def _bucket_name(low: int, high: int | None) -> str:
+    k = lambda n: f"{n // 1024}k" if n else "0"  # noqa: E731
+    return f"{k(low)}-{k(high)}" if high is not None else f"{k(low)}+"
+
+
+def acceptance_by_context(runs: Sequence[tuple[int, Sequence[int]]], positions: int,
+                          edges: Sequence[int] = CONTEXT_EDGES) -> list[dict]:
+    """Tau and per-position acceptance by the context length at each verification step.
+
+    runs: (prompt tokens, accepted drafts per step) of each decoded prompt; a step's context is the prompt
+    plus the tokens emitted before it.  One entry per bucket that holds steps, in order:
+    {"context": "1k-2k", "steps", "tau", "per_position_acceptance"}."""
+    buckets: dict[int, list[int]] = {}
+    for prompt_tokens, accepted in runs:
+        context = prompt_tokens
+        for a in accepted:
+            index = sum(context >= edge for edge in edges) - 1
+            buckets.setdefault(index, []).append(a)
+            context += a + 1
+    out = []
+    for index in sorted(buckets):
+        high = edges[index + 1] if index + 1 < len(edges) else None
+        steps = buckets[index]
+        out.append({"context": _bucket_name(edges[index], high), "steps": len(steps), "tau": tau(steps),
+                    "per_position_acceptance": per_position_acceptance(steps, positions)})
+    return out
