@@ -92,3 +92,21 @@ def test_every_reply_of_a_rewriting_template_is_trained_once_as_the_model_saw_it
     assert marked == [["think", "five", "stop", "six", "<|im_end|>"], ["think", "two", "stop", "three", "<|im_end|>"]]
     plain = Target.load(str(tiny_target_dir), "float32", "cpu")        # a growing-prefix template: one row
     assert len(tokenize_turns(plain.tokenizer, CHAT)) == 1
+
+
+def test_thinking_asked_of_a_template_without_reasoning_is_warned_once(tiny_target_dir, caplog, monkeypatch):
+    import logging
+
+    from draftsmith.heads.runtime import prompt_format
+    monkeypatch.setattr(prompt_format, "_warned", set())            # once per process: not yet, here
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            Target.load(str(tiny_target_dir), "float32", "cpu", chat={"kwargs": {"enable_thinking": True}})
+    warned = [r.getMessage() for r in caplog.records if "ask for reasoning" in r.getMessage()]
+    assert len(warned) == 1 and "enable_thinking=True" in warned[0] and str(tiny_target_dir) in warned[0], warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        marked = REASONING.replace("'think stop '", "'<think> </think> '")          # a template with a marker
+        Target.load(str(tiny_target_dir), "float32", "cpu", chat={"template": marked, "kwargs": {"enable_thinking": True}})
+        Target.load(str(tiny_target_dir), "float32", "cpu", chat={"kwargs": {"enable_thinking": False}})
+    assert "ask for reasoning" not in caplog.text

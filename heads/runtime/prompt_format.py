@@ -4,9 +4,13 @@ or file), or none (plain text, for base models), and the template's arguments
 through (data/chat.py: render)."""
 from __future__ import annotations
 
+import hashlib
+import logging
 from pathlib import Path
 
 import jinja2.sandbox
+
+log = logging.getLogger(__name__)
 
 PLAIN = "none"      # target.chat_template: none renders turns as plain text (base models)
 PLAIN_SEPARATOR = "\n\n"
@@ -66,3 +70,30 @@ def apply_chat_settings(tokenizer, template: str | None, kwargs: dict | None) ->
     elif template:
         tokenizer.chat_template = template_text(template)
     tokenizer.draftsmith_template_kwargs = dict(kwargs or {})
+    if template != PLAIN:
+        warn_if_reasoning_is_ignored(tokenizer, template)
+
+
+THINKING_KWARGS = ("enable_thinking", "thinking", "reasoning_effort")
+REASONING_MARKS = ("<think>", "analysis", "reasoning")
+_warned: set[str] = set()
+
+
+def warn_if_reasoning_is_ignored(tokenizer, template: str | None) -> None:
+    """Template arguments that ask for reasoning, given to a template with no reasoning marker in it (it
+    cannot act on them): a warning naming the template, once per template."""
+    asked = {k: v for k, v in tokenizer.draftsmith_template_kwargs.items() if k in THINKING_KWARGS and v}
+    source = getattr(tokenizer, "chat_template", None)
+    if not asked or not isinstance(source, str) or any(mark in source for mark in REASONING_MARKS):
+        return
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    if digest in _warned:
+        return
+    _warned.add(digest)
+    name = (f"target.chat_template '{template[:60]}'" if template and not any(m in template for m in TEMPLATE_SYNTAX)
+            else "target.chat_template (inline)" if template
+            else f"the chat template of '{getattr(tokenizer, 'name_or_path', '?')}'")
+    log.warning("target.chat_template_kwargs ask for reasoning (%s), but %s has no reasoning marker (%s): it "
+                "renders the same prompts either way, so the data will not hold the reasoning asked for; give a "
+                "reasoning template (target.chat_template) or drop the argument",
+                ", ".join(f"{k}={v!r}" for k, v in asked.items()), name, ", ".join(REASONING_MARKS))
