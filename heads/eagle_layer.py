@@ -136,9 +136,9 @@ class DraftAttention(nn.Module):
         """One unrolled step.  x: [b, s, in]; past: (k, v) of the earlier steps (appended here);
         key_valid: [b, s] False on padding.  Returns [b, s, H].
 
-        One `scaled_dot_product_attention` over the keys of every step so far, [k0 | k1 | ... | kt], with
-        the training-time-test mask (`ttt_visibility`): the fused kernels never hold the [b, h, s, s]
-        scores in fp32 (11 GB at b=2, s=2048 over 7 steps for an 8B drafter, eagerly)."""
+        `scaled_dot_product_attention` over the keys of every step so far, [k0 | k1 | ... | kt], with the
+        training-time-test mask, by blocks of queries (`block_visibility`): the fused kernels never hold
+        the [b, h, s, s] scores in fp32 (11 GB at b=2, s=2048 over 7 steps for an 8B drafter, eagerly)."""
         out, k, v = self.ttt_step(x, cos, sin, past, key_valid)
         past.append((k, v))
         return out
@@ -148,27 +148,49 @@ class DraftAttention(nn.Module):
         returns the output [b, s, H] and this step's (k, v)."""
         q, k, v = self._qkv(x, cos, sin)
         past = [*past, (k, v)]
-        keys = torch.cat([kt for kt, _ in past], dim=2) if len(past) > 1 else k          # [b, hk, s(t+1), d]
-        values = (torch.cat([vt for _, vt in past], dim=2) if len(past) > 1 else v).to(q.dtype)
-        mask = ttt_visibility(key_valid, len(past) - 1)                                  # [b, 1, s, s(t+1)]
         grouped = self.shape.num_heads != self.shape.num_kv_heads
         # On CPU the masked kernel's bf16 backward is 4-6x slower than its fp32 one (b=8, s=400, measured:
         # 2.5-3.4 s against 0.35-0.8 s per step), so there it runs in fp32; on a GPU in the training dtype.
         compute = torch.float32 if q.device.type == "cpu" else q.dtype
-        with torch.autocast(q.device.type, enabled=False):
-            out = F.scaled_dot_product_attention(q.to(compute), keys.to(compute), values.to(compute),
-                                                 attn_mask=mask, enable_gqa=grouped).to(q.dtype)  # [b, h, s, d]
         s = x.shape[1]
+        with torch.autocast(q.device.type, enabled=False):
+            out = torch.cat([
+                F.scaled_dot_product_attention(q[:, :, a:e].to(compute), *block_keys(past, a, e, compute),
+                                               attn_mask=block_visibility(key_valid, a, e, len(past) - 1),
+                                               enable_gqa=grouped)
+                for a, e in query_blocks(s)], dim=2).to(q.dtype)                              # [b, h, s, d]
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], s, -1)), k, v       # [b, s, H]
 
 
-def ttt_visibility(key_valid: torch.Tensor, step: int) -> torch.Tensor:
-    """[b, 1, s, s * (step + 1)] bool: `ttt_mask` with the step-0 keys' padding (key_valid [b, s]) masked."""
-    s = key_valid.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=key_valid.device).tril() & key_valid[:, None, :]  # [b, s, s]
+TTT_QUERY_BLOCK = 1024
+"""Queries attended together in the training-time test.  A block of queries [a, e) reads the step-0 keys
+up to e and its own positions' keys of the later steps, so its mask is [e - a, e + (e - a) * step] instead
+of the whole [s, s * (step + 1)]: at 16k tokens and 4 steps the mask entries of all steps fall from 2.7 G
+to 0.67 G, and the keys past e are never scored (docs/results/2026-12-05-long-sequences.md: the step's peak
+memory and time, before and after).  The same attention (tests/test_eagle3.py: losses and gradients)."""
+
+
+def query_blocks(seq_len: int, block: int | None = None) -> list[tuple[int, int]]:
+    block = block or TTT_QUERY_BLOCK
+    return [(a, min(seq_len, a + block)) for a in range(0, seq_len, block)]
+
+
+def block_keys(past: list, a: int, e: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values queries [a, e) may see: the step-0 ones up to e, then each later step's at a..e."""
+    keys = [past[0][0][:, :, :e]] + [kt[:, :, a:e] for kt, _ in past[1:]]
+    values = [past[0][1][:, :, :e]] + [vt[:, :, a:e] for _, vt in past[1:]]
+    cat = lambda parts: (torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]).to(dtype)  # noqa: E731
+    return cat(keys), cat(values)
+
+
+def block_visibility(key_valid: torch.Tensor, a: int, e: int, step: int) -> torch.Tensor:
+    """[b, 1, e - a, e + (e - a) * step] bool: what queries [a, e) see of `block_keys`: `ttt_mask`'s
+    rows a..e without the columns no query of the block can see, and the step-0 keys' padding masked."""
+    rows = torch.arange(a, e, device=key_valid.device)
+    causal = (torch.arange(e, device=key_valid.device)[None] <= rows[:, None]) & key_valid[:, None, :e]  # [b, n, e]
     if step == 0:
         return causal[:, None]
-    diagonal = torch.eye(s, dtype=torch.bool, device=key_valid.device).expand(key_valid.shape[0], s, s)
+    diagonal = torch.eye(e - a, dtype=torch.bool, device=key_valid.device).expand(key_valid.shape[0], e - a, e - a)
     return torch.cat([causal] + [diagonal] * step, dim=-1)[:, None]
 
 

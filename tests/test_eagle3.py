@@ -54,8 +54,15 @@ def test_efficient_ttt_attention_equals_dense_masked_attention(tiny_target):
 def _eager_ttt(self, x, cos, sin, past, key_valid):
     """The training-time-test attention as it was computed before scaled_dot_product_attention: fp32
     [b, h, s, s] scores over the step-0 keys, the later steps' own-position scores beside them."""
-    q, k, v = self._qkv(x, cos, sin)
+    out, k, v = _eager_ttt_step(self, x, cos, sin, past, key_valid)
     past.append((k, v))
+    return out
+
+
+def _eager_ttt_step(self, x, cos, sin, past, key_valid):
+    """`_eager_ttt` as `DraftAttention.ttt_step` (what the drafter's layer calls): past is not appended to."""
+    q, k, v = self._qkv(x, cos, sin)
+    past = [*past, (k, v)]
     groups = self.shape.num_heads // self.shape.num_kv_heads
     expand = (lambda t: t.repeat_interleave(groups, dim=1)) if groups > 1 else (lambda t: t)
     scale = self.shape.head_dim ** -0.5
@@ -69,15 +76,21 @@ def _eager_ttt(self, x, cos, sin, past, key_valid):
     out = torch.matmul(probs[..., :s], v0)
     for t, (_, vt) in enumerate(past[1:]):
         out = out + probs[..., s + t: s + t + 1] * expand(vt)
-    return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], s, -1))
+    return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], s, -1)), k, v
 
 
-def test_fused_ttt_attention_gives_the_eager_paths_loss_and_gradients(tiny_target, monkeypatch):
+@pytest.mark.parametrize("block", [None, 4, 5], ids=["one-block", "blocks-of-4", "blocks-of-5"])
+def test_fused_ttt_attention_gives_the_eager_paths_loss_and_gradients(tiny_target, monkeypatch, block):
     """The 4-step training-time-test loss of a tiny EAGLE-3 (grouped-query attention: 4 heads, 2 KV), with right
     padding, through scaled_dot_product_attention and through the eager fp32 scores: equal loss, equal
-    gradients of every parameter."""
+    gradients of every parameter.  With queries attended in blocks (eagle_layer.TTT_QUERY_BLOCK, 4 and 5
+    against rows of 12, 7 and 10 tokens: blocks that split rows, padding and a last short block) the same."""
+    from draftsmith.heads import eagle_layer
     from draftsmith.heads.eagle_layer import DraftAttention
     from draftsmith.train.batches import collate
+
+    if block:
+        monkeypatch.setattr(eagle_layer, "TTT_QUERY_BLOCK", block)
 
     torch.manual_seed(0)
     drafter = Eagle3(Eagle3Config(draft_vocab_size=64, ttt_steps=4), tiny_target)
@@ -95,7 +108,7 @@ def test_fused_ttt_attention_gives_the_eager_paths_loss_and_gradients(tiny_targe
         return loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)
 
     fused_loss, fused = loss_and_grads()
-    monkeypatch.setattr(DraftAttention, "ttt", _eager_ttt)
+    monkeypatch.setattr(DraftAttention, "ttt_step", _eager_ttt_step)      # what the drafter's layer calls
     eager_loss, eager = loss_and_grads()
     assert torch.allclose(fused_loss, eager_loss, rtol=1e-5), (fused_loss, eager_loss)
     for p, a, b in zip(params, fused, eager):

@@ -172,3 +172,22 @@ def test_a_reply_cut_inside_reasoning_is_told_from_one_cut_in_its_answer(style, 
     health.add_reply(reply, [], stopped=False, context=prompt[-16:])              # in the answer
     assert health.cut_in_reasoning == 1
     assert reply_message(target.tokenizer, reply[:cut])["content"] != "the sea"    # no answer yet: kept as text
+
+
+def test_the_long_context_cost_script_runs_as_its_usage_line_says(tiny_target_dir):
+    """scripts/long_context_cost.py with a tiny target and short lengths: a row per drafter and length,
+    each with a finite loss, a time and the memory its step added."""
+    import json
+    import math
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "long_context_cost.py"
+    run = subprocess.run([sys.executable, str(script), "--target", str(tiny_target_dir), "--lengths", "32",
+                          "--kinds", "eagle3,p_eagle,dflash"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [(r["kind"], r["length"]) for r in rows] == [("eagle3", 32), ("p_eagle", 32), ("dflash", 32)]
+    assert all(math.isfinite(r["loss"]) and r["seconds"] > 0 and r["peak_gib"] >= 0 for r in rows), rows
+    assert "| drafter | tokens | step s | peak GiB |" in run.stdout
