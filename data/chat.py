@@ -190,14 +190,15 @@ class Reasoning:
 
 
 def reasoning_of(tokenizer) -> Reasoning | None:
-    """The reasoning format of a target's tokenizer (the first known one whose tokens it has), or None."""
+    """The reasoning format of a target's tokenizer (the first known one whose tokens it has), or None;
+    found once and kept on the tokenizer (a real vocabulary is 100k+ entries, and every reply asks)."""
     if tokenizer is None:
         return None
-    vocab = tokenizer.get_vocab()
-    for form in REASONING_FORMATS:
-        if all(t in vocab for t in form.tokens):
-            return Reasoning(form, tokenizer)
-    return None
+    if not hasattr(tokenizer, "draftsmith_reasoning"):
+        vocab = tokenizer.get_vocab()
+        tokenizer.draftsmith_reasoning = next(
+            (Reasoning(form, tokenizer) for form in REASONING_FORMATS if all(t in vocab for t in form.tokens)), None)
+    return tokenizer.draftsmith_reasoning
 
 
 def reply_message(tokenizer, ids: list[int]) -> dict:

@@ -325,7 +325,8 @@ def require_healthy(data_dir, settings) -> None:
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
         total = saved["total"]
-        numbers = [total[name] for name in (*LIMITS, "replies") if not (name == "stopped_share" and total[name] is None)]
+        numbers = [total[name] for name in (*LIMITS, "replies")
+                   if not (name == "stopped_share" and total[name] is None)]      # every reply cut in reasoning
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
             raise TypeError("a figure is not a number")
     except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError) as err:

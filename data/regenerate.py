@@ -80,7 +80,7 @@ class ShardWork:
         conv = self.batch[position]
         reply_ids = [t for t in out.token_ids if t not in self.target.eos_token_ids]
         reply = reply_message(self.target.tokenizer, reply_ids)
-        if not (reply["content"].strip() or any(v.strip() for k, v in reply.items() if k not in ("role", "content"))):
+        if not any(text.strip() for role, text in reply.items() if role != "role"):       # nothing written
             return False
         self.counts["generated_tokens"] += len(out.token_ids)
         self.chats[conv.id] = messages + [reply]
@@ -155,7 +155,8 @@ class Regenerator:
         if self.write_part is None:
             return
         for index, work in list(self.inflight.items()):
-            records = [row for p, c in enumerate(work.batch) if p in work.finished for row in work.records.get(c.id, [])]
+            records = [row for p, c in enumerate(work.batch) if p in work.finished
+                       for row in work.records.get(c.id, [])]
             if records:
                 self.write_part(index, records)
                 self.kept_parts += len(records)

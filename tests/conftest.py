@@ -316,3 +316,11 @@ def fake_hub(monkeypatch) -> dict:
     monkeypatch.setattr(HfApi, "create_repo", lambda self, *a, **k: None)
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
     return seen
+
+
+def free_port() -> int:
+    """A local port nothing holds now (for a launch's rendezvous)."""
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import WORDS, build_tiny_target, chats_file, tiny_recipe
+from conftest import WORDS, build_tiny_target, chats_file, free_port, tiny_recipe
 from draftsmith.data.distill import DataSettings, make_data, read_shard, shard_paths
 from draftsmith.data.health import DegenerateData, Health, loop_tokens, require_healthy, verdict, limits_from
 from draftsmith.heads.runtime.target import Target
@@ -182,16 +181,10 @@ def test_auto_batch_size_fits_the_memory_budget(tiny_target):
     assert pinned >= 1
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _launch(recipe_path: Path, processes: int, *overrides, check=True, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     command = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-                "--master-port", str(_free_port()), "-m", "draftsmith", "data", str(recipe_path), *overrides]
+                "--master-port", str(free_port()), "-m", "draftsmith", "data", str(recipe_path), *overrides]
                if processes > 1 else [sys.executable, "-m", "draftsmith", "data", str(recipe_path), *overrides])
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO, timeout=timeout)
     if check:
@@ -239,7 +232,7 @@ def test_a_rank_killed_mid_run_and_a_rerun_with_another_world_size_lose_and_dupl
     shards = tmp_path / "cut" / "data" / "shards"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             "--master-port", str(_free_port()), "-m", "draftsmith", "data", str(recipe_path),
+                             "--master-port", str(free_port()), "-m", "draftsmith", "data", str(recipe_path),
                              f"output_dir={tmp_path / 'cut'}"], env=env, cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     import time

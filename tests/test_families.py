@@ -157,8 +157,8 @@ def test_data_in_each_mode_is_the_targets_own(family, mode, tmp_path):
         else:
             assert sum(1 for a, b in zip([0] + mask, mask) if b and not a) == 2, name
     for shard in sorted({shard for shard, _ in records}):
-        reader = feature_cache.ShardReader(feature_cache.cache_dir(tmp_path / "data", layers) / (shard.stem + ".safetensors"),
-                                           layers, target.identity.weights_sha256)
+        cached = feature_cache.cache_dir(tmp_path / "data", layers) / (shard.stem + ".safetensors")
+        reader = feature_cache.ShardReader(cached, layers, target.identity.weights_sha256)
         for row, expected in enumerate(feature_cache.compute_features(target, read_shard(shard), layers)):
             got = reader.record(row).float()
             assert torch.allclose(got[:-1], expected[:-1].float(), atol=0.05, rtol=0.02), (name, shard.stem, row)

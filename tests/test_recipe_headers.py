@@ -6,13 +6,13 @@ so they win).  Paths the header names (recipes/NAME.yaml, runs/...) point into t
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import free_port
 from tiny_models import chats_file, dialogues_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,12 +66,6 @@ def cpu_recipe(recipe: Path, work: Path, target_dir: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(raw))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def as_run(command: str, recipe: Path, cpu: Path, work: Path) -> list[str]:

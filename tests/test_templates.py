@@ -107,6 +107,7 @@ def test_thinking_asked_of_a_template_without_reasoning_is_warned_once(tiny_targ
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         marked = REASONING.replace("'think stop '", "'<think> </think> '")          # a template with a marker
-        Target.load(str(tiny_target_dir), "float32", "cpu", chat={"template": marked, "kwargs": {"enable_thinking": True}})
+        Target.load(str(tiny_target_dir), "float32", "cpu",
+                    chat={"template": marked, "kwargs": {"enable_thinking": True}})
         Target.load(str(tiny_target_dir), "float32", "cpu", chat={"kwargs": {"enable_thinking": False}})
     assert "ask for reasoning" not in caplog.text
