@@ -16,6 +16,7 @@ in a row of its own, its own history rendered with it as the last turn
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import jinja2
@@ -34,7 +35,9 @@ class TokenizedChat:
     truncated: bool
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None = None) -> str:
+    """The chat as the target's template renders it, with the target's template arguments
+    (target.chat_template_kwargs), `kwargs` over them (data.thinking: one conversation's switch)."""
     if getattr(tokenizer, "draftsmith_plain_text", False):       # a base model: the turns as one running text
         text = PLAIN_SEPARATOR.join(m["content"] for m in messages)
         return text + PLAIN_SEPARATOR if add_generation_prompt and messages else text
@@ -46,7 +49,8 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
 
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **getattr(tokenizer, "draftsmith_template_kwargs", {}))
+                                             **{**getattr(tokenizer, "draftsmith_template_kwargs", {}),
+                                                **(kwargs or {})})
     except jinja2.exceptions.SecurityError as err:
         raise ChatTemplateError(f"the chat template tried something the sandbox forbids ({err}); draftsmith renders "
                                 "templates sandboxed: use a template that only formats the messages") from None
@@ -56,6 +60,24 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
                                 "(target.chat_template)") from None
 
 
+def check_thinking_switch(tokenizer, thinking: str, switch: str) -> None:
+    """data.thinking on/off/both sets the template argument `switch`: refused, before any work, for a
+    template that never reads it (every conversation would render alike) or for plain text."""
+    source = getattr(tokenizer, "chat_template", None)
+    if isinstance(source, dict):          # named templates: any of them may read it
+        source = "\n".join(source.values())
+    if getattr(tokenizer, "draftsmith_plain_text", False) or not isinstance(source, str):
+        raise ChatTemplateError(f"data.thinking={thinking} switches reasoning through the chat template, and this "
+                                "target renders plain text (no template): set data.thinking=template, or give a "
+                                "reasoning template (target.chat_template)")
+    if not re.search(rf"\b{re.escape(switch)}\b", source):
+        raise ChatTemplateError(
+            f"data.thinking={thinking} sets the template argument '{switch}' (data.thinking_switch), but the chat "
+            f"template of '{getattr(tokenizer, 'name_or_path', '?')}' never reads it, so reasoning would not change: "
+            "set data.thinking_switch to the argument the template reads (Qwen3: enable_thinking; DeepSeek-V3.1: "
+            "thinking), or data.thinking=template")
+
+
 @dataclass
 class RenderedChat:
     text: str                       # the whole chat, rendered
@@ -63,16 +85,17 @@ class RenderedChat:
     rewritten: list[int]            # indices of the assistant turns it does not (the template rewrote them)
 
 
-def assistant_spans(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> RenderedChat:
+def assistant_spans(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
+                    kwargs: dict | None = None) -> RenderedChat:
     """The rendered chat and where its assistant turns are."""
-    text = render(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    text = render(tokenizer, messages, add_generation_prompt, kwargs)
     spans, rewritten = [], []
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True)
-        through = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        before = render(tokenizer, messages[:i], True, kwargs)
+        through = render(tokenizer, messages[: i + 1], False, kwargs)
         if text.startswith(before) and text.startswith(through) and len(through) > len(before):
             spans.append((len(before), len(through)))
         elif i == last and i == len(messages) - 1:       # the reply being trained: it must be found
@@ -85,24 +108,25 @@ def assistant_spans(tokenizer, messages: list[dict], add_generation_prompt: bool
     return RenderedChat(text, spans, rewritten)
 
 
-def tokenize_turns(tokenizer, messages: list[dict], max_length: int | None = None) -> list[TokenizedChat]:
+def tokenize_turns(tokenizer, messages: list[dict], max_length: int | None = None,
+                   kwargs: dict | None = None) -> list[TokenizedChat]:
     """Every assistant turn marked once: the whole chat, plus one row per turn the template rewrites
     later (its history and it, only it marked).  One row for templates that render a growing prefix."""
-    full = assistant_spans(tokenizer, messages)
+    full = assistant_spans(tokenizer, messages, kwargs=kwargs)
     rows = [_tokenize(tokenizer, full.text, full.spans, max_length)]
     for i in full.rewritten:
-        own = assistant_spans(tokenizer, messages[: i + 1])         # turn i last: held as written
+        own = assistant_spans(tokenizer, messages[: i + 1], kwargs=kwargs)     # turn i last: held as written
         rows.append(_tokenize(tokenizer, own.text, own.spans[-1:], max_length))
     return rows
 
 
 def tokenize_chat(tokenizer, messages: list[dict], max_length: int | None = None,
-                  add_generation_prompt: bool = False) -> TokenizedChat:
+                  add_generation_prompt: bool = False, kwargs: dict | None = None) -> TokenizedChat:
     """Token ids of the rendered chat and a mask that is 1 on assistant tokens only.
 
     With add_generation_prompt the chat ends ready for the next reply (a prompt
     whose earlier assistant turns are still marked)."""
-    rendered = assistant_spans(tokenizer, messages, add_generation_prompt)
+    rendered = assistant_spans(tokenizer, messages, add_generation_prompt, kwargs)
     return _tokenize(tokenizer, rendered.text, rendered.spans, max_length)
 
 

@@ -38,7 +38,7 @@ from draftsmith.heads.runtime.target import Target
 
 from . import features as feature_cache
 from . import sources, vllm_backend
-from .chat import tokenize_turns
+from .chat import check_thinking_switch, tokenize_turns
 from .health import Health, HealthWatch, judge, reasoning_of
 from .progress import Launch, Progress, launch_from_environment
 from .regenerate import Regenerator, ShardWork, regenerate_with_vllm
@@ -179,6 +179,8 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
         raise ValueError(f"data.max_seq_len={settings.max_seq_len} is larger than the context of target "
                          f"'{target.name}', {context} positions (max_position_embeddings in its config): "
                          f"set data.max_seq_len={context} or less")
+    if settings.thinking != "template":
+        check_thinking_switch(target.tokenizer, settings.thinking, settings.thinking_switch)
     out_dir = Path(out_dir)
     (out_dir / "shards").mkdir(parents=True, exist_ok=True)
     if launch.main:
@@ -288,7 +290,8 @@ class _Run:
             if self.out_of_time():
                 return
             kept = self.kept(index)
-            records = [r for c in self.batches[index] if c.id not in kept for r in _as_is(self.target, c, self.settings)]
+            records = [r for c in self.batches[index] if c.id not in kept
+                       for r in _as_is(self.target, c, self.settings, self.seed)]
             tokens = sum(len(r["input_ids"]) for r in records)
             self.write(index, records)                    # the forward runs here, then the tokens count
             self.counts["prefilled_tokens"] += tokens
@@ -338,12 +341,14 @@ class _Run:
             engine.close()
 
 
-def _as_is(target: Target, conv: sources.Conversation, settings: DataSettings) -> list[dict]:
+def _as_is(target: Target, conv: sources.Conversation, settings: DataSettings, seed: int) -> list[dict]:
     """A conversation as the source wrote it, every assistant turn marked, cut to max_seq_len: one
     record, or more where the template rewrites earlier turns (data/chat.py: tokenize_turns)."""
-    rows = tokenize_turns(target.tokenizer, conv.messages, max_length=settings.max_seq_len)
+    kwargs = settings.template_kwargs(conv.id, seed)
+    rows = tokenize_turns(target.tokenizer, conv.messages, max_length=settings.max_seq_len, kwargs=kwargs)
+    thinking = {} if kwargs is None else {"thinking": kwargs[settings.thinking_switch]}
     return [{"id": conv.id if n == 0 else f"{conv.id}#turn{n}", "messages": conv.messages,
-             "input_ids": chat.input_ids, "loss_mask": chat.loss_mask}
+             "input_ids": chat.input_ids, "loss_mask": chat.loss_mask, **thinking}
             for n, chat in enumerate(rows) if sum(chat.loss_mask)]
 
 

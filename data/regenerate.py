@@ -23,9 +23,10 @@ from .chat import reply_message, tokenize_chat
 from .stream import Job, Stream
 
 
-def fit_prompt(target: Target, messages: list[dict], settings, counts: dict):
-    """The prompt's ids and mask (earlier replies marked), or None if it is too long and cannot be cut."""
-    chat = tokenize_chat(target.tokenizer, messages, add_generation_prompt=True)
+def fit_prompt(target: Target, messages: list[dict], settings, counts: dict, kwargs: dict | None = None):
+    """The prompt's ids and mask (earlier replies marked), or None if it is too long and cannot be cut.
+    kwargs: template arguments of this conversation's over the target's (data.thinking)."""
+    chat = tokenize_chat(target.tokenizer, messages, add_generation_prompt=True, kwargs=kwargs)
     if len(chat.input_ids) <= settings.max_prompt_tokens:
         return chat
     if settings.long_prompts == "skip":
@@ -39,7 +40,7 @@ def fit_prompt(target: Target, messages: list[dict], settings, counts: dict):
         return None
     messages[-1] = dict(messages[-1], content=target.tokenizer.decode(content_ids[: len(content_ids) - overflow - 8]))
     counts["truncated_prompts"] += 1
-    chat = tokenize_chat(target.tokenizer, messages, add_generation_prompt=True)
+    chat = tokenize_chat(target.tokenizer, messages, add_generation_prompt=True, kwargs=kwargs)
     return chat if len(chat.input_ids) <= settings.max_prompt_tokens else None
 
 
@@ -64,7 +65,8 @@ class ShardWork:
             return None
         head = conv.messages[: users[0]] if turn == 0 else []        # a system turn before the first question
         messages = self.chats[conv.id] + head + [dict(conv.messages[users[turn]])]
-        prompt = fit_prompt(self.target, messages, self.settings, self.counts)
+        prompt = fit_prompt(self.target, messages, self.settings, self.counts,
+                            self.settings.template_kwargs(conv.id, self.seed))
         return None if prompt is None else (messages, prompt)
 
     def seed_of(self, position: int, turn: int) -> int:
@@ -86,6 +88,9 @@ class ShardWork:
         self.chats[conv.id] = messages + [reply]
         record = {"id": conv.id, "messages": self.chats[conv.id], "input_ids": prompt.input_ids + out.token_ids,
                   "loss_mask": prompt.loss_mask + [1] * len(out.token_ids), "features": out.features}
+        kwargs = self.settings.template_kwargs(conv.id, self.seed)
+        if kwargs is not None:          # data.thinking: whether this conversation was rendered reasoning
+            record["thinking"] = kwargs[self.settings.thinking_switch]
         rows = self.records.setdefault(conv.id, [])
         if rows and record["input_ids"][:len(rows[-1]["input_ids"])] == rows[-1]["input_ids"]:
             rows.pop()                # the new row holds the last one whole, its reply marked: one row

@@ -1,6 +1,7 @@
 """A recipe's `data:` section: what the data step reads, how the target labels it, and its limits."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from . import sources
@@ -68,6 +69,12 @@ class DataSettings:
     null = no cap."""
     max_seq_len: int = 1024
     """Training sequences are cut to this many tokens."""
+    thinking: str = "template"
+    """Whether the target reasons in the data: template (as target.chat_template_kwargs render it), on, off,
+    or both (each conversation one or the other, half and half, chosen by its id and the seed).  on/off/both
+    set the template argument data.thinking_switch in the data step only."""
+    thinking_switch: str = "enable_thinking"
+    """The template argument that turns reasoning on and off (Qwen3-style templates: enable_thinking)."""
 
     def __post_init__(self):
         if self.regenerate is not None:                     # the old switch, kept readable
@@ -102,12 +109,38 @@ class DataSettings:
         if self.messages_field and self.prompt_field:
             raise ValueError(f"data.messages_field ('{self.messages_field}') and data.prompt_field "
                              f"('{self.prompt_field}') name two ways to read a chat: set one")
+        if isinstance(self.thinking, bool):          # YAML reads a bare on/off as true/false
+            self.thinking = "on" if self.thinking else "off"
+        if self.thinking not in THINKING:
+            raise ValueError(f"data.thinking must be one of {', '.join(THINKING)}, got '{self.thinking}'")
+        if not self.thinking_switch.isidentifier():
+            raise ValueError(f"data.thinking_switch must be the name of a template argument (enable_thinking), "
+                             f"got '{self.thinking_switch}'")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ValueError(f"data.max_minutes must be > 0, or null for no cap; got {self.max_minutes}")
 
 
+    def template_kwargs(self, conversation_id: str, seed: int) -> dict | None:
+        """The template arguments of one conversation's rendering in the data step (over the target's own):
+        none for data.thinking=template; for both, the conversation's side, stable under resume and any
+        process count."""
+        if self.thinking == "template":
+            return None
+        on = self.thinking == "on" or (self.thinking == "both" and thinks(conversation_id, seed))
+        return {self.thinking_switch: on}
 
-COLUMN_DEFAULTS = {"split": "train", "messages_field": None, "prompt_field": None, "streaming": False}
+
+THINKING = ("template", "on", "off", "both")
+
+
+def thinks(conversation_id: str, seed: int) -> bool:
+    """data.thinking=both: whether this conversation is rendered with reasoning on (half of them)."""
+    return hashlib.sha256(f"{seed}:{conversation_id}".encode()).digest()[0] & 1 == 1
+
+
+# settings added after data was first made: at these values, absent from the fingerprint (same shards)
+COLUMN_DEFAULTS = {"split": "train", "messages_field": None, "prompt_field": None, "streaming": False,
+                   "thinking": "template", "thinking_switch": "enable_thinking"}
 
 
 def columns(settings: DataSettings) -> sources.Columns:

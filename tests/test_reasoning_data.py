@@ -31,7 +31,8 @@ QWEN3_STYLE = (
     "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip() -%}"
     "{%- set content = content.split('</think>')[-1].strip() -%}{%- endif -%}"
     "{{ '<|im_start|>assistant\n' }}"
-    "{%- if loop.index0 > ns.last_user and reasoning -%}{{ '<think>\n' + reasoning + '\n</think>\n\n' }}{%- endif -%}"
+    "{%- if loop.index0 > ns.last_user and (loop.last or reasoning) -%}"
+    "{{ '<think>\n' + reasoning + '\n</think>\n\n' }}{%- endif -%}"
     "{{ content + '<|im_end|>\n' }}"
     "{%- else -%}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif -%}"
     "{%- endfor -%}"
@@ -191,3 +192,60 @@ def test_the_long_context_cost_script_runs_as_its_usage_line_says(tiny_target_di
     assert [(r["kind"], r["length"]) for r in rows] == [("eagle3", 32), ("p_eagle", 32), ("dflash", 32)]
     assert all(math.isfinite(r["loss"]) and r["seconds"] > 0 and r["peak_gib"] >= 0 for r in rows), rows
     assert "| drafter | tokens | step s | peak GiB |" in run.stdout
+
+
+def test_thinking_both_renders_each_conversation_one_way_half_and_half_and_records_which(tmp_path):
+    """data.thinking=both: each conversation's prompt is rendered with the template's switch on or off (its
+    side fixed by its id and the seed), the row says which, and the prefilled rows of data.mode=prefill
+    are rendered the same way."""
+    from draftsmith.data.distill import _as_is, fingerprint
+    from draftsmith.data.settings import thinks
+    target = styled_target(tmp_path / "q", "qwen3")
+    settings, seed = DataSettings(thinking="both"), 3
+    convs = [Conversation(f"c{i}", [{"role": "user", "content": "the time"},
+                                    {"role": "assistant", "content": "the sea"}]) for i in range(40)]
+    work = ShardWork(target, 0, convs, settings, seed=seed,
+                     counts={"generated_tokens": 0, "skipped_long_prompts": 0, "truncated_prompts": 0})
+    sides = []
+    for position, conv in enumerate(convs):
+        messages, prompt = work.next_job(position, 0)
+        on = thinks(conv.id, seed)
+        text = render(target.tokenizer, messages, True, {"enable_thinking": on})
+        assert prompt.input_ids == ids(target, text)
+        assert text.endswith("<think>\n\n</think>\n\n") is not on          # off: the empty block opens the reply
+        reply = ids(target, "the sea") + [target.tokenizer.eos_token_id]
+        work.take(position, messages, prompt, SimpleNamespace(token_ids=reply, stopped=True, features=None))
+        sides.append(on)
+    assert [row["thinking"] for row in work.result()] == sides
+    assert 10 <= sum(sides) <= 30, sides                                     # both sides, about half each
+    for conv, on in zip(convs, sides):
+        (row,) = _as_is(target, conv, settings, seed)
+        assert row["thinking"] is on
+        assert row["input_ids"] == ids(target, render(target.tokenizer, conv.messages, False, {"enable_thinking": on}))
+    identity = {"weights_sha256": "w"}
+    assert fingerprint(settings, seed, identity) != fingerprint(DataSettings(), seed, identity)
+    assert fingerprint(DataSettings(thinking="template", thinking_switch="enable_thinking"), seed, identity) == \
+        fingerprint(DataSettings(), seed, identity)        # data made before the setting existed keeps its key
+
+
+@pytest.mark.parametrize("thinking", ["on", "off"])
+def test_thinking_on_or_off_renders_every_conversation_that_way(thinking, tmp_path):
+    target = styled_target(tmp_path / "q", "qwen3")
+    prompts, _, rows = regenerate(target, ["the sea", "the night"], thinking=thinking)
+    first = [{"role": "user", "content": "the time"}]
+    text = render(target.tokenizer, first, True, {"enable_thinking": thinking == "on"})
+    assert prompts[0][1] == ids(target, text) and text.endswith("<think>\n\n</think>\n\n") is (thinking == "off")
+    assert {row["thinking"] for row in rows} == {thinking == "on"}
+
+
+def test_thinking_with_a_template_that_never_reads_the_switch_is_refused_before_any_work(tmp_path):
+    from draftsmith.data.chat import ChatTemplateError
+    from draftsmith.data.distill import make_data
+    target = styled_target(tmp_path / "h", "harmony")
+    out = tmp_path / "data"
+    with pytest.raises(ChatTemplateError, match=r"'enable_thinking' \(data.thinking_switch\).*never reads it"):
+        make_data(target, DataSettings(thinking="both"), out, seed=0, progress=False)
+    assert not out.exists()
+    with pytest.raises(ValueError, match="data.thinking must be one of template, on, off, both"):
+        DataSettings(thinking="yes")
+    assert DataSettings(thinking=True).thinking == "on" and DataSettings(thinking=False).thinking == "off"  # YAML

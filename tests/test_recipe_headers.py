@@ -53,6 +53,10 @@ def cpu_recipe(recipe: Path, work: Path, target_dir: Path) -> Path:
                    "max_conversations": 8, "batch_size": 4, "max_new_tokens": 8, "max_prompt_tokens": 64,
                    "max_seq_len": 128, "max_minutes": None}
     raw["data"].pop("vllm", None)
+    if raw["data"].get("thinking", "template") != "template":    # the tiny target's template has no switch
+        from test_reasoning_data import QWEN3_STYLE
+        (work / "qwen3-style.jinja").write_text(QWEN3_STYLE)
+        raw["target"]["chat_template"] = str(work / "qwen3-style.jinja")
     drafter = raw.setdefault("drafter", {})
     if "layer_ids" in drafter:
         drafter["layer_ids"] = [1, 1, 2]
