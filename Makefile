@@ -28,8 +28,10 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/draftsmith quickstart
 
+# Two workers (pytest-xdist), one thread each; the default target's tests share one worker
+# (xdist_group "default-target"), whose session fixtures are built once.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not serving and not multiprocess and not gpu" tests
@@ -52,7 +54,7 @@ test-wheel: $(STAMP)
 	cd $(WHEEL_DIR) && $(CURDIR)/$(WHEEL_VENV)/bin/python -c "import draftsmith, sys; \
 		assert 'site-packages' in draftsmith.__file__, draftsmith.__file__; print('testing', draftsmith.__file__)"
 	cd $(WHEEL_DIR) && DRAFTSMITH_VLLM_PYTHON=$${DRAFTSMITH_VLLM_PYTHON:-$(CURDIR)/.venv-vllm/bin/python} \
-		$(CURDIR)/$(WHEEL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+		$(CURDIR)/$(WHEEL_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider tests
 
 clean:
 	rm -rf $(VENV) $(WHEEL_VENV) runs

@@ -10,9 +10,12 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):      # `make test` runs 2 workers on the machine's cores: a thread
+    os.environ.setdefault("OMP_NUM_THREADS", "1")     # each, so neither starves the other (nor the
+                                                        # processes its tests start, which inherit this)
+import torch  # noqa: E402
 
 from tiny_models import CHATML, SPECIALS, WORDS, build_tiny_target, chats_file, make_config, make_tokenizer  # noqa: F401
 
@@ -42,10 +45,15 @@ def pytest_collection_modifyitems(config, items):
 
 # -- the real default target (slow and serving tests) ------------------------------------------
 
+SHORT_TRAINING = ("dflash", "medusa2")
+
+
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
-    """Self-distilled data on SmolLM2-135M, then 30 s of training each for an EAGLE-3, a P-EAGLE, a Medusa
-    and a Medusa-2 drafter.  Medusa scores the full vocabulary (vLLM 0.32 cannot load a Medusa token_map)."""
+    """Self-distilled data on SmolLM2-135M, then 30 s of training each for an EAGLE-3, a P-EAGLE and a
+    Medusa drafter, 15 s for a DFlash and a Medusa-2 (SHORT_TRAINING: their tests compare vLLM's acceptance
+    with draftsmith's, whatever it is), no decoding evaluation at the end (train.eval_prompts 0: the
+    tests evaluate).  Medusa scores the full vocabulary (vLLM 0.32 cannot load a Medusa token_map)."""
     from draftsmith.train.loop import fit
     from draftsmith.train.settings import recipe_from_dict
 
@@ -54,7 +62,7 @@ def default_run(tmp_path_factory):
         "output_dir": str(out), "seed": 0, "target": {"path": "smollm2-135m"},
         "data": {"max_conversations": 64, "batch_size": 32, "max_new_tokens": 96, "max_prompt_tokens": 128},
         "train": {"batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "epochs": 20, "max_minutes": 0.5,
-                  "save_every": 1000, "heldout_fraction": 0.1},
+                  "save_every": 1000, "heldout_fraction": 0.1, "eval_prompts": 0},
     }
     runs = {}
     medusa = {"num_heads": 3, "lm_head": "shared", "draft_vocab_size": None}
@@ -68,6 +76,8 @@ def default_run(tmp_path_factory):
                             ("medusa2", {**medusa, "lora_r": 8, "lora_alpha": 16, "heads_only_steps": 5,
                                          "ramp_steps": 5})):
         spec = {**common, "method": method, "drafter": drafter, "output_dir": str(out / method)}
+        if method in SHORT_TRAINING:     # checked for what vLLM accepts, not for how much: half the time
+            spec["train"] = {**common["train"], "max_minutes": 0.25}
         if method == "medusa2":  # its backbone takes gradients: an unpacked target
             spec["target"] = {"path": "smollm2-135m", "dtype": "float32"}
         if method != "eagle3":   # the same data (and cache: layer 30 is among EAGLE-3's), no second generation

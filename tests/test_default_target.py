@@ -2,13 +2,13 @@
 import pytest
 from draftsmith.eval.benchmark import EvalSettings, evaluate
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("default-target")]   # with test_serving.py
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle3"])
 def test_short_training_gives_exact_speculation_with_tau_above_one(default_run, method):
     report = evaluate(default_run[method], EvalSettings(limit=2, max_new_tokens=40, proposal="chain",
-                                                       baselines=("plain",)), progress=False)
+                                                       baselines=("plain",), dtype="float32"), progress=False)
     assert report.greedy_exact is True and report.exact_checked_prompts == 2
     assert report.tau > 1.0
     assert report.per_position_acceptance[0] > 0

@@ -28,7 +28,9 @@ from conftest import build_tiny_target, eagle3_checkpoint
 from conftest import prompts as tiny_prompts
 from tiny_models import FAMILIES
 
-pytestmark = pytest.mark.serving
+# one test worker runs every test of the default target (tests/conftest.py: DEFAULT_TARGET_GROUP): the
+# session fixtures (its trained drafters, the vLLM environment) are built once
+pytestmark = [pytest.mark.serving, pytest.mark.xdist_group("default-target")]
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VERSION = "0.32.0"

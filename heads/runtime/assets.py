@@ -140,7 +140,12 @@ def convert_gguf(gguf_path: Path, name: str) -> Path:
         raise AssetError(f"GGUF conversion of {gguf_path} left weights unmatched: missing {missing} unexpected {unexpected}")
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        shutil.rmtree(tmp)                  # another process converted it meanwhile: keep theirs, in use
+        return out
+    shutil.rmtree(out, ignore_errors=True)  # a conversion cut short
+    try:
+        tmp.rename(out)
+    except OSError:                         # another process renamed its copy in between
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
