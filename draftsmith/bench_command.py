@@ -20,6 +20,8 @@ def cmd_bench(args) -> dict:
     from draftsmith.eval.bench import BenchError, BenchSettings, bench
     from draftsmith.eval.bench_report import markdown
 
+    if args.predict or args.break_even:
+        return cmd_predict(args)
     try:
         concurrency = tuple(int(c) for part in args.concurrency for c in part.split(",") if c.strip())
     except ValueError:
@@ -48,6 +50,36 @@ def cmd_bench(args) -> dict:
     return report
 
 
+def cmd_predict(args) -> dict:
+    """`bench CKPT --predict` and `bench TARGET --break-even`: from measured step costs, no traffic served."""
+    from draftsmith.eval import predict
+    from draftsmith.eval.bench import BenchError
+
+    if args.predict and args.break_even:
+        raise BenchError("--predict takes a checkpoint and --break-even a target: give one of them")
+    try:
+        batches = tuple(sorted({int(part) for part in args.batch_sizes.split(",") if part.strip()}))
+    except ValueError:
+        raise BenchError(f"--batch-sizes takes whole numbers, e.g. 1,4,16; got {args.batch_sizes}") from None
+    if not batches or min(batches) < 1:
+        raise BenchError(f"--batch-sizes takes whole numbers of 1 or more, e.g. 1,4,16; got {args.batch_sizes}")
+    if args.max_k < 1:
+        raise BenchError(f"--max-k is the largest K priced, 1 or more; got {args.max_k}")
+    ks = tuple(range(args.max_k + 1))
+    out = Path(args.out)
+    if args.predict:
+        report = predict.predict_report(args.checkpoint, out, args.dtype, args.device, args.target, batches, ks,
+                                        args.refresh_costs)
+        name = "predict"
+    else:
+        report = predict.break_even_report(args.checkpoint, out, args.kind, args.dtype, args.device, batches, ks,
+                                           args.refresh_costs)
+        name = "break-even"
+    print(predict.markdown(report))
+    print(f"wrote {out / (name + '.md')}, {out / (name + '.json')} and {out / (name + '.png')}")
+    return report
+
+
 def add_bench_parser(sub) -> None:
     """`draftsmith bench`'s flags."""
     p = sub.add_parser("bench", help="speculation on or off? measured per category of your traffic, with a verdict",
@@ -55,7 +87,19 @@ def add_bench_parser(sub) -> None:
                                    "the report (md, html with plots, json) gives TTFT, total time, tokens/s, cost, "
                                    "acceptance and a verdict per category.")
     p.add_argument("checkpoint", help="a trained checkpoint, or 'ngram' (with --engine vllm --target MODEL): "
-                   "vLLM's prompt-lookup speculation, which needs no training")
+                   "vLLM's prompt-lookup speculation, which needs no training; with --break-even: a target")
+    p.add_argument("--predict", action="store_true", help="predict the speedup at each batch size and K from the "
+                   "checkpoint's acceptance profile and step costs measured here (no traffic served); choose K per "
+                   "batch size and write vLLM's speculative_config (docs/bench.md, \"Prediction\")")
+    p.add_argument("--break-even", action="store_true", help="for a target, no drafter yet: the acceptance a drafter "
+                   "(--kind) would need at each batch size and K for speculation to pay")
+    p.add_argument("--kind", default="eagle3", help="--break-even: the drafter kind whose step cost is measured "
+                   "(untrained, recipe defaults; default eagle3)")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="--predict/--break-even: batch sizes priced")
+    p.add_argument("--max-k", type=int, default=8, help="--predict/--break-even: the largest K priced (clamped to "
+                   "the drafter's depth, and said)")
+    p.add_argument("--refresh-costs", action="store_true", help="measure the step costs again even where this "
+                   "machine's are kept")
     p.add_argument("--prompts", nargs="+", default=["mt-bench"], help="mt-bench (default), humaneval, or "
                    "FILE.jsonl (chats or prompts; optional 'category' and 'max_tokens' per line); several make one "
                    "sample, e.g. --prompts mt-bench humaneval")

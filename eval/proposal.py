@@ -138,10 +138,18 @@ def step_costs(target: Target, drafter, prompt: list[int]) -> dict:
     return {"target_forward_ms": forward, "draft_step_ms": step}
 
 
-@torch.no_grad()
 def measure_draft_step(target: Target, drafter, prompt: list[int], repeats: int = 7) -> float:
     """Median seconds of one drafter step in steady state: a proposal after one newly committed token,
     divided by the levels it drafts (an EAGLE level is one drafter forward; Medusa drafts all at once)."""
+    # a dynamic tree's depth; a static tree, or a parallel drafter's whole proposal, is one step
+    levels = 1 if getattr(drafter, "one_forward", False) else getattr(drafter.tree, "depth", 1)
+    return measure_proposal(target, drafter, prompt, repeats) / levels
+
+
+@torch.no_grad()
+def measure_proposal(target: Target, drafter, prompt: list[int], repeats: int = 7) -> float:
+    """Median seconds of one whole proposal (the drafter's current shape) in steady state: after one
+    newly committed token, its hidden states already computed by the target."""
     repeats = max(1, min(repeats, len(prompt) - 2))
     ids = torch.tensor([prompt], device=target.device)
     cache = target.new_cache(1, len(prompt) + 1)
@@ -160,6 +168,4 @@ def measure_draft_step(target: Target, drafter, prompt: list[int], repeats: int 
         drafter.propose(context)
         synchronize(target.device)
         times.append(time.perf_counter() - t)
-    # a dynamic tree's depth; a static tree, or a parallel drafter's whole proposal, is one step
-    levels = 1 if getattr(drafter, "one_forward", False) else getattr(drafter.tree, "depth", 1)
-    return sorted(times)[len(times) // 2] / levels
+    return sorted(times)[len(times) // 2]
