@@ -8,6 +8,7 @@ Three templates written here, one per style of 2026's reasoning targets:
 - R1 style: the generation prompt opens `<think>` itself; the history keeps answers only.
 The replies are scripted token ids given to the real `ShardWork` (data/regenerate.py), as the engine
 gives them: what is checked is the rendering and the mask, token by token."""
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -249,3 +250,37 @@ def test_thinking_with_a_template_that_never_reads_the_switch_is_refused_before_
     with pytest.raises(ValueError, match="data.thinking must be one of template, on, off, both"):
         DataSettings(thinking="yes")
     assert DataSettings(thinking=True).thinking == "on" and DataSettings(thinking=False).thinking == "off"  # YAML
+
+
+def test_the_padding_share_script_runs_as_its_usage_line_says(tmp_path, capsys):
+    """Rows of 1, 2, 3 and 4 tokens in batches of 2: sorted by length inside the window, [1, 2] and [3, 4],
+    10 tokens in 12 positions."""
+    import sys
+    from pathlib import Path
+
+    import datasets
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from padding_share import main
+    datasets.Dataset.from_dict({"input_ids": [[5] * n for n in (3, 1, 4, 2)]}).save_to_disk(tmp_path / "tokenized")
+    assert main([str(tmp_path), "--batch-size", "2", "--max-seq-len", "1024", "--epochs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert '"tokens": 10, "padded_slots": 12' in out and "padding 16.7%" in out and "at most 1.200x" in out
+
+
+def test_the_long_context_acceptance_script_runs_as_its_usage_line_says(tiny_target_dir, tmp_path):
+    """scripts/long_context_acceptance.py with a tiny target, short rows and one training step: both drafters
+    trained and evaluated, the table printed with every context bucket the prompts reach."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "long_context_acceptance.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "out"), "--target", str(tiny_target_dir),
+                           "--lengths", "32,64", "--conversations", "4", "--train-steps", "1", "--prompt-tokens",
+                           "200,1200", "--per-length", "1", "--max-new-tokens", "4", "--batch-tokens", "64"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "acceptance.json").read_text())
+    assert set(result["results"]) == {"32", "64"} and len(result["prompt_tokens"]) == 2
+    assert max(result["prompt_tokens"]) > 1024 and "| 1k-2k |" in done.stdout and "| 0-1k |" in done.stdout
+    for run in result["results"].values():
+        assert run["steps"] == 1 and run["greedy_exact"] is True
