@@ -32,6 +32,7 @@ def cmd_bench(args) -> dict:
                              cost_per_hour=args.cost_per_hour, seed=args.seed, dtype=args.dtype,
                              device=args.device, target=args.target, adapter=args.adapter, engine=engine, concurrency=concurrency,
                              vllm_python=args.vllm_python, num_speculative_tokens=args.num_speculative_tokens,
+                             chain=args.chain,
                              endpoint=args.endpoint, baseline_endpoint=args.baseline_endpoint, lookup=args.lookup,
                              against=args.against, long_prompts=args.long_prompts)
     out = Path(args.out)
@@ -124,6 +125,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--vllm-python", default=None, help="the vLLM environment's python (default: "
                    "$DRAFTSMITH_VLLM_PYTHON, else ./.venv-vllm/bin/python)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step (vllm engine)")
+    p.add_argument("--chain", type=int, default=None, metavar="K", help="draftsmith engine: propose a chain of K "
+                   "drafts (default: the drafter's own proposal, a tuned tree where it has one)")
     p.add_argument("--lookup", type=int, default=0, metavar="K", help="draftsmith engine: also propose K tokens "
                    "copied from the context, merged into the drafter's tree (default 0: off)")
     p.add_argument("--long-prompts", default="truncate", choices=["truncate", "refuse"], help="a request that, "

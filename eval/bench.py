@@ -287,7 +287,9 @@ def run_draftsmith(checkpoint: str, target_path: str, settings: BenchSettings, p
     target = checkpoint_target(read_config(checkpoint), resolve_dtype(settings.dtype, device), device, target_path,
                                settings.adapter)
     drafter = load_drafter(checkpoint, target).to(target.dtype)
-    drafter = configure_proposal(drafter, target, EvalSettings(device=str(device), lookup=settings.lookup))
+    drafter = configure_proposal(drafter, target, EvalSettings(
+        device=str(device), lookup=settings.lookup, proposal="chain" if settings.chain else "default",
+        chain_length=settings.chain))
     proposal = drafter.describe_proposal()
     traffic = load_traffic(target.tokenizer, settings.traffic, settings.limit, settings.seed, settings.max_new_tokens,
                            target.context_length, settings.long_prompts)

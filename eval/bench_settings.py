@@ -48,6 +48,7 @@ class BenchSettings:
     endpoint: str | None = None               # a running server with the drafter (engine "endpoint")
     baseline_endpoint: str | None = None      # the same target served without it
     lookup: int = 0                           # draftsmith engine: context-lookup tokens merged into each tree
+    chain: int | None = None                  # draftsmith engine: propose a chain of this many (default: its own)
     against: str = "plain"                    # vllm engine: the baseline engine, plain or ngram (vLLM's prompt lookup)
     long_prompts: str = "truncate"            # a request longer than the target's context: truncate or refuse
 
@@ -71,6 +72,11 @@ class BenchSettings:
         if self.lookup < 0 or (self.lookup and self.engine != "draftsmith"):
             raise BenchError(f"--lookup must be >= 0 and is draftsmith's own (its verifier merges the lookup into "
                              f"the drafter's tree); got {self.lookup} with engine '{self.engine}'")
+        if self.chain is not None and (self.chain < 1 or self.engine != "draftsmith" or self.lookup):
+            raise BenchError(f"--chain K proposes a chain of K drafts in draftsmith's engine (K >= 1, without "
+                             f"--lookup); got {self.chain} with engine '{self.engine}'"
+                             + (" and --lookup" if self.lookup else "")
+                             + ("; vLLM's is --num-speculative-tokens" if self.engine != "draftsmith" else ""))
         if self.num_speculative_tokens < 1:
             raise BenchError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.long_prompts not in ("truncate", "refuse"):

@@ -134,3 +134,44 @@ def test_a_checkpoint_of_another_target_is_refused(tiny_target, tmp_path, capsys
     assert main(["bench", str(tmp_path / "ckpt"), "--predict", "--target", str(other), "--device", "cpu",
                  "--out", str(tmp_path / "p")]) == 2
     assert "target" in capsys.readouterr().err
+
+
+def test_the_predict_check_script_runs_as_its_usage_line_says(tiny_target, tmp_path, monkeypatch, capsys):
+    """scripts/predict_check.py on a tiny EAGLE-3 checkpoint: bench's chain of each K beside the prediction,
+    the prediction from bench's own tau computed from the same costs, the decoding ratio from bench's runs."""
+    import sys
+    from pathlib import Path
+
+    from conftest import chats_file, eagle3_checkpoint
+    from draftsmith.heads.card import LAST_EVAL_FILE
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from predict_check import main
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    checkpoint = tmp_path / "run" / "checkpoint"
+    eagle3_checkpoint(tiny_target, checkpoint)
+    (checkpoint / LAST_EVAL_FILE).write_text(json.dumps({
+        "per_position_acceptance": [0.7, 0.4, 0.1], "proposal": "chain of 3", "temperature": 0.0}))
+    prompts = chats_file(tmp_path / "p.jsonl", 2)
+    assert main([str(tmp_path / "out"), str(checkpoint), "--ks", "1,2", "--prompts", str(prompts), "--limit", "1",
+                 "--max-new-tokens", "8", "--repeats", "1", "--dtype", "float32"]) == 0
+    rows = json.loads((tmp_path / "out" / "predict_check.json").read_text())
+    assert [r["k"] for r in rows] == [1, 2]
+    for r in rows:
+        bench = json.loads((tmp_path / "out" / "0-run" / f"bench-k{r['k']}" / "report.json").read_text())
+        assert bench["proposal"] == f"chain of {r['k']}"
+        step = r["step_ms"]
+        assert r["predicted_from_bench_acceptance"] == pytest.approx(
+            r["bench_tau"] * step["verify_0"] / (step["verify_k"] + step["draft"]))
+        assert r["profile_tau"] == pytest.approx(1 + sum([0.7, 0.4][:r["k"]]))
+        assert r["measured_decoding"] > 0 and r["error"] == pytest.approx(r["predicted"] / r["measured_decoding"] - 1)
+    assert "| eagle3 | 2 |" in capsys.readouterr().out
+
+
+def test_bench_chain_is_draftsmith_engines_own():
+    from draftsmith.eval.bench_settings import BenchError, BenchSettings
+    assert BenchSettings(chain=2).chain == 2
+    with pytest.raises(BenchError, match="vLLM's is --num-speculative-tokens"):
+        BenchSettings(chain=2, engine="vllm")
+    with pytest.raises(BenchError, match="K >= 1"):
+        BenchSettings(chain=0)

@@ -192,7 +192,15 @@ def test_the_long_context_cost_script_runs_as_its_usage_line_says(tiny_target_di
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert [(r["kind"], r["length"]) for r in rows] == [("eagle3", 32), ("p_eagle", 32), ("dflash", 32)]
     assert all(math.isfinite(r["loss"]) and r["seconds"] > 0 and r["peak_gib"] >= 0 for r in rows), rows
-    assert "| drafter | tokens | step s | peak GiB |" in run.stdout
+    assert all(r["estimate_gib"] is not None for r in rows), rows
+    assert "| drafter | tokens | step s | peak GiB | estimate GiB (train's check) |" in run.stdout
+    # the stand-in of a configuration (its embedding and lm_head only), as `--shape llama-3.1-8b` builds it
+    run = subprocess.run([sys.executable, str(script), "--shape", "tiny", "--lengths", "600", "--kinds", "eagle3"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    row = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("{")))
+    assert row["shape"] == "tiny" and math.isfinite(row["loss"]) and row["peak_gib"] > 0
+    assert 0.5 * row["peak_gib"] <= row["estimate_gib"] <= 2 * row["peak_gib"], row
 
 
 def test_thinking_both_renders_each_conversation_one_way_half_and_half_and_records_which(tmp_path):
@@ -284,3 +292,46 @@ def test_the_long_context_acceptance_script_runs_as_its_usage_line_says(tiny_tar
     assert max(result["prompt_tokens"]) > 1024 and "| 1k-2k |" in done.stdout and "| 0-1k |" in done.stdout
     for run in result["results"].values():
         assert run["steps"] == 1 and run["greedy_exact"] is True
+
+
+def test_a_length_whose_training_memory_exceeds_the_device_is_refused_before_any_work(tiny_target, tiny_target_dir,
+                                                                                     tmp_path, monkeypatch, capsys):
+    """The estimate is a lower bound close to the truth (the activations saved at the full length, measured
+    here), and a length past the device's memory is refused with it before data is made."""
+    import yaml
+    from conftest import tiny_recipe
+    from draftsmith.cli import main
+    from draftsmith.train import plan
+    from draftsmith.train.settings import recipe_from_dict
+
+    raw = tiny_recipe(tmp_path, tiny_target_dir, eval_prompts=0)
+    raw.update(method="eagle3", drafter={"draft_vocab_size": 64})
+    raw["data"]["max_seq_len"] = 1024
+    recipe = recipe_from_dict(raw)
+    estimate = plan.sequence_memory(recipe, tiny_target)
+    assert estimate["probe_tokens"] == [256, 512]
+    truth = plan._saved_bytes(registry_drafter(recipe, tiny_target), tiny_target, 1024, False) * 4
+    assert 0.6 * truth <= estimate["activations"] <= truth, (estimate["activations"], truth)
+    short = plan.sequence_memory(recipe_from_dict({**raw, "data": {**raw["data"], "max_seq_len": 64}}), tiny_target)
+    assert short["probe_tokens"] == [64] and short["activations"] < estimate["activations"] / 8
+
+    fits = estimate["target"] + estimate["drafter_state"] + short["activations"] * 2
+    monkeypatch.setattr(plan, "total_memory", lambda device: fits)      # the 64-token run fits, the 1024 does not
+    assert plan.check_sequence_memory(recipe_from_dict({**raw, "data": {**raw["data"], "max_seq_len": 64}}),
+                                      tiny_target)["needed"] <= fits
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["train", str(tmp_path / "r.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "training at data.max_seq_len 1024 with train.batch_size 4 needs at least" in err, err
+    assert "lower data.max_seq_len or train.batch_size" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "data").exists()
+    assert main(["train", "--dry-run", str(tmp_path / "r.yaml")]) == 2
+    assert "needs at least" in capsys.readouterr().err
+
+
+def registry_drafter(recipe, target):
+    from draftsmith.heads.registry import registry
+    torch.manual_seed(0)
+    drafter = registry()[recipe.method](recipe.drafter, target)
+    drafter.set_draft_vocabulary(torch.arange(recipe.drafter.draft_vocab_size))
+    return drafter.train()

@@ -35,7 +35,7 @@ from .accelerator import fill_deepspeed_sizes, make_accelerator, whole_target, z
 from .batches import (Batches, feature_layers, load_training_data, require_data_for_launch, step_denominators,
                       training_target)
 from .checkpointing import guard_output, load_state, require_checkpoint_space, save_checkpoint
-from .plan import check_drafter_size
+from .plan import check_drafter_size, check_sequence_memory
 from .schedule import LaunchClock, warmup_cosine
 from .validation import check_replicas, features_for, validate
 from .settings import Recipe, loader_workers
@@ -111,6 +111,7 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
         raise ValueError(f"the target given to fit() is on {target.device} but training runs on "
                          f"{accelerator.device}: load it with device={str(accelerator.device)!r}")
     check_drafter_size(recipe, target, accelerator.num_processes)      # before data is made or it is allocated
+    check_sequence_memory(recipe, target, accelerator.num_processes)   # and the length it trains at
     layers = feature_layers(recipe, target)
     try:            # under a launch, each process checks and builds its own share of the feature cache
         data = load_training_data(recipe, target, layers, accelerator)

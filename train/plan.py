@@ -145,6 +145,7 @@ def dry_run(recipe, target, verb: str) -> dict:
     settings = recipe.data
     if verb == "train":
         check_drafter_size(recipe, target)             # before the probe allocates it
+        check_sequence_memory(recipe, target)
     convs = list(sources.conversations(settings.source, columns=columns(settings)))
     taken = len(convs) if settings.max_conversations is None else min(len(convs), settings.max_conversations)
     per_shard = shard_conversations(settings)           # data.batch_size, or a shard's conversations under auto
@@ -254,6 +255,107 @@ def check_drafter_size(recipe, target, world: int = 1) -> int:
                           + (f", sharded over {world} processes" if world > 1 else "")
                           + f"), more than the {human_size(total)} {target.device} has in all; {fix}")
     return count
+
+
+SEQUENCE_PROBE_TOKENS = (256, 512)     # two short rows whose saved activations fix the per-token slope
+
+
+def sequence_memory(recipe, target) -> dict | None:
+    """What one training process holds at least, at batch_size x data.max_seq_len: the target as training
+    loads it, the drafter's weights, gradients and AdamW state, and the activations autograd saves in the
+    forward (measured on one row of 256 and one of 512 tokens with random features, and extended to the
+    batch's tokens along the line through the two: below the truth where attention's cost grows faster
+    than the length, never above it).  None when the drafter cannot be probed this way."""
+    seq = recipe.data.max_seq_len
+    if drafter_class(recipe.method).trains_target_adapter:       # its probe would put a LoRA into the target
+        log.info("training memory at data.max_seq_len not estimated for %s: it trains the target itself",
+                 recipe.method)
+        return None
+    drafter = None
+    devices = [target.device] if target.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):     # the run's own random state is left as it was
+            torch.manual_seed(0)
+            drafter = registry()[recipe.method](recipe.drafter, target)
+            if recipe.train.gradient_checkpointing:
+                drafter.enable_gradient_checkpointing()
+            vocab = recipe.drafter.draft_vocab_size
+            if vocab:
+                drafter.set_draft_vocabulary(torch.arange(min(vocab, target.vocab_size)))
+            drafter.to(target.device).train()
+            bf16 = recipe.train.mixed_precision == "bf16" or (
+                recipe.train.mixed_precision == "auto" and resolve_dtype("auto", target.device) == torch.bfloat16)
+            lengths = sorted({min(seq, n) for n in SEQUENCE_PROBE_TOKENS})
+            saved_at = [_saved_bytes(drafter, target, n, bf16) for n in lengths]
+            trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    except (RuntimeError, ValueError, KeyError, NotImplementedError, TypeError) as err:
+        log.info("training memory at data.max_seq_len not estimated for %s: %s", recipe.method, err)
+        return None
+    finally:
+        del drafter
+    if len(lengths) == 1:
+        per_row = saved_at[0]
+    else:
+        slope = max(0.0, (saved_at[1] - saved_at[0]) / (lengths[1] - lengths[0]))
+        per_row = saved_at[0] + slope * (seq - lengths[0])
+    held_target = _parameter_bytes(target) if target.layers_loaded \
+        else 2 * target.vocab_size * target.hidden_size * 2                   # embedding + lm_head, bf16
+    return {"activations": int(per_row * recipe.train.batch_size),
+            "drafter_state": trainable * TRAINING_BYTES_PER_PARAMETER, "target": held_target, "probe_tokens": lengths, "probe_saved_bytes": saved_at}
+
+
+def _saved_bytes(drafter, target, length: int, bf16: bool) -> int:
+    """Bytes of the activations autograd saves in one forward of the drafter's loss on a row of `length`
+    random tokens (each storage counted once; the weights themselves not counted)."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (1, length), generator=generator).to(target.device)
+    reply = torch.zeros_like(ids)
+    reply[:, length // 10:] = 1
+    features = {layer: torch.randn(1, length, target.hidden_size, generator=generator).to(target.device,
+                                                                                          target.dtype)
+                for layer in drafter.required_layers}
+    saved = {}
+
+    def pack(tensor):
+        if not tensor.requires_grad or tensor.grad_fn is not None:
+            storage = tensor.untyped_storage()
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=bf16):
+        drafter.loss({"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": reply,
+                      "features": features})
+    return sum(saved.values())
+
+
+def check_sequence_memory(recipe, target, world: int = 1) -> dict | None:
+    """Refuse, before data is made or the drafter is allocated, a data.max_seq_len (with train.batch_size)
+    whose training needs more memory than the device has in all: the lower bound of `sequence_memory`,
+    with the processes that share this machine's memory when training runs on the CPU.  Returns the
+    estimate (None when it could not be made)."""
+    estimate = sequence_memory(recipe, target)
+    if estimate is None:
+        return None
+    sharded = estimate["drafter_state"] // max(world, 1)
+    per_process = estimate["target"] + sharded + estimate["activations"]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torch.device(target.device).type == "cpu" else 1
+    needed = per_process * local
+    total = total_memory(target.device)
+    estimate.update(per_process=per_process, needed=needed, total=total)
+    log.info("training memory at batch %d x %d tokens: at least %s per process (activations %s)",
+             recipe.train.batch_size, recipe.data.max_seq_len, human_size(per_process),
+             human_size(estimate["activations"]))
+    if needed > total:
+        shared = f" x {local} processes on this machine" if local > 1 else ""
+        raise RecipeError(
+            f"training at data.max_seq_len {recipe.data.max_seq_len} with train.batch_size {recipe.train.batch_size} "
+            f"needs at least {human_size(needed)}{shared} (activations {human_size(estimate['activations'])}, "
+            f"measured at {estimate['probe_tokens']} tokens and extended; drafter weights, gradients and AdamW "
+            f"{human_size(sharded)}; target {human_size(estimate['target'])}), more than the "
+            f"{human_size(total)} {target.device} has in all; lower data.max_seq_len or train.batch_size "
+            "(train.grad_accum keeps the batch), or set train.gradient_checkpointing=true")
+    return estimate
 
 
 def total_memory(device) -> int:
