@@ -193,7 +193,7 @@ def test_the_long_context_cost_script_runs_as_its_usage_line_says(tiny_target_di
     assert [(r["kind"], r["length"]) for r in rows] == [("eagle3", 32), ("p_eagle", 32), ("dflash", 32)]
     assert all(math.isfinite(r["loss"]) and r["seconds"] > 0 and r["peak_gib"] >= 0 for r in rows), rows
     assert all(r["estimate_gib"] is not None for r in rows), rows
-    assert "| drafter | tokens | step s | peak GiB | estimate GiB (train's check) |" in run.stdout
+    assert "| drafter | tokens | step s | peak GiB | process peak GiB | estimate GiB (train's check) |" in run.stdout
     # the stand-in of a configuration (its embedding and lm_head only), as `--shape llama-3.1-8b` builds it
     run = subprocess.run([sys.executable, str(script), "--shape", "tiny", "--lengths", "600", "--kinds", "eagle3"],
                          capture_output=True, text=True, timeout=600)
@@ -201,6 +201,7 @@ def test_the_long_context_cost_script_runs_as_its_usage_line_says(tiny_target_di
     row = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("{")))
     assert row["shape"] == "tiny" and math.isfinite(row["loss"]) and row["peak_gib"] > 0
     assert 0.5 * row["peak_gib"] <= row["estimate_gib"] <= 2 * row["peak_gib"], row
+    assert row["estimate_gib"] <= row["process_peak_gib"], row          # a lower bound of the whole process
 
 
 def test_thinking_both_renders_each_conversation_one_way_half_and_half_and_records_which(tmp_path):
