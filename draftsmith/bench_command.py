@@ -70,9 +70,12 @@ def cmd_predict(args) -> dict:
     out = Path(args.out)
     if args.predict:
         report = predict.predict_report(args.checkpoint, out, args.dtype, args.device, args.target, batches, ks,
-                                        args.refresh_costs)
+                                        args.refresh_costs, args.engine or "draftsmith", args.vllm_python)
         name = "predict"
     else:
+        if (args.engine or "draftsmith") != "draftsmith":
+            raise BenchError("--break-even prices steps in draftsmith's engine only (vLLM needs a drafter to export: "
+                             "train one for a few steps and use --predict --engine vllm)")
         report = predict.break_even_report(args.checkpoint, out, args.kind, args.dtype, args.device, batches, ks,
                                            args.refresh_costs)
         name = "break-even"
@@ -117,7 +120,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--out", default="bench", help="report directory (default ./bench)")
     p.add_argument("--engine", default=None, help="draftsmith (default: its verifier, batch 1), vllm (your serving "
                    "stack: the checkpoint is exported and served with and without the drafter), or endpoint "
-                   "(running servers; implied by --endpoint)")
+                   "(running servers; implied by --endpoint); with --predict: whose step costs price the prediction, "
+                   "draftsmith (default) or vllm (whole steps timed in vLLM)")
     p.add_argument("--endpoint", default=None, help="a running OpenAI-compatible server (e.g. vllm serve) with the "
                    "drafter, measured by streaming; needs --baseline-endpoint")
     p.add_argument("--baseline-endpoint", default=None, help="the same target served without the drafter")

@@ -279,9 +279,13 @@ def vllm_config(kind: str, choices: dict[int, int]) -> dict:
 
 
 def predict_report(checkpoint: str, out: Path, dtype: str = "auto", device: str = "auto", target_path=None,
-                   batches=BATCHES, ks=KS, refresh: bool = False) -> dict:
+                   batches=BATCHES, ks=KS, refresh: bool = False, engine: str = "draftsmith",
+                   vllm_python: str | None = None) -> dict:
     """`bench CKPT --predict`: S(b, K) for the checkpoint's drafter on this machine, the K chosen per batch
-    size and vLLM's speculative_config for it (predict.json, predict.md, predicted-speedup.png in `out`)."""
+    size and vLLM's speculative_config for it (predict.json, predict.md, predict.png in `out`).  engine:
+    whose step costs price it, draftsmith's engine or vLLM's (eval/predict_vllm.py: whole steps)."""
+    if engine not in ("draftsmith", "vllm"):
+        raise PredictError(f"--predict prices steps in draftsmith's engine or in vllm; got --engine {engine}")
     from draftsmith.heads.drafter import checkpoint_target, load_drafter, read_config
     from draftsmith.heads.infra.device import resolve_device
     from draftsmith.heads.runtime.target import resolve_dtype
@@ -300,7 +304,12 @@ def predict_report(checkpoint: str, out: Path, dtype: str = "auto", device: str 
         ks = tuple(k for k in ks if k <= deepest)
     weights = hashlib.sha256((Path(checkpoint) / "model.safetensors").read_bytes()).hexdigest()[:16] \
         if (Path(checkpoint) / "model.safetensors").is_file() else "?"
-    costs = cost_table(target, drafter, batches, ks, refresh=refresh, drafter_name=f"{config['kind']} {weights}")
+    if engine == "vllm":
+        from .predict_vllm import vllm_cost_table
+        costs = vllm_cost_table(str(checkpoint), config, target_path, batches, ks, dtype, vllm_python, refresh,
+                                out_dir=Path(out) / "vllm-costs")
+    else:
+        costs = cost_table(target, drafter, batches, ks, refresh=refresh, drafter_name=f"{config['kind']} {weights}")
     table = speedups(profile.unconditional, costs)
     choices = choose(table)
     report = {"checkpoint": str(checkpoint), "kind": config["kind"], "profile": asdict(profile),
@@ -337,9 +346,12 @@ def break_even_report(target_path: str, out: Path, kind: str = "eagle3", dtype: 
 
 def markdown(report: dict) -> str:
     costs = report["costs"]
+    whole = costs["stack"].startswith("vllm")
     lines = [f"# {'Predicted speedup' if 'speedup' in report else 'Break-even acceptance'}", "",
-             f"- costs: {costs['stack']} engine on {costs['machine']}, {costs['dtype']}, {costs['context']} cached "
-             f"tokens; drafter {costs['drafter']} (docs/bench.md, \"Prediction\")"]
+             f"- costs: {costs['stack']} on {costs['machine']}, {costs['dtype']}, {costs['context']} cached "
+             f"tokens; drafter {costs['drafter']}; "
+             + ("whole speculative steps timed in vLLM" if whole else "target forward and drafter proposal timed apart")
+             + " (docs/bench.md, \"Prediction\")"]
     if "speedup" in report:
         profile = report["profile"]
         lines += [f"- acceptance profile ({profile['source']}): "

@@ -8,8 +8,11 @@ it, so the bench can interleave them; only one computes at a time.
         --max-num-seqs 16
 
 Protocol lines start with MARK (vLLM logs to stdout too). It prints {"ready": ...} once the engine is built and warm, then answers each command line
-{"requests": [{"id", "prompt": [token ids], "max_tokens"}], "concurrency": C, "temperature": T, "seed": S}
-with {"runs": [{"id", "seconds", "first_token_seconds", "tokens"}], "wall", "metrics"}: at most C
+{"requests": [{"id", "prompt": [token ids], "max_tokens"}], "concurrency": C, "temperature": T, "seed": S,
+ optional "ignore_eos": true, "time_steps": true}
+with {"runs": [{"id", "seconds", "first_token_seconds", "tokens"}], "wall", "metrics"} (and with
+time_steps, "steps": [[seconds, requests in flight, of them past their first token]] per engine step,
+the cost tables of eval/predict_vllm.py): at most C
 requests are in flight; a finished one is replaced by the next at once, as a server under that load
 would. Times are from a request's admission to its first token and to its last. "metrics" holds the
 speculative-decoding counters this command added. {"quit": true} ends it.
@@ -31,6 +34,25 @@ def engine_options() -> dict:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return {"distributed_executor_backend": "uni"}
     return {}
+
+
+def device_name() -> str:
+    """What the engine runs on, as draftsmith's cost tables name a machine: the GPU's name, else the CPU's
+    model and core count."""
+    try:
+        import torch  # optional: runs in the vLLM environment only
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    import platform
+    return f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 def spec_counters(llm) -> dict:
@@ -68,6 +90,7 @@ def run(llm, command: dict) -> dict:
     concurrency = command["concurrency"]
     temperature = command["temperature"]
     live, done = {}, []
+    timing = [] if command.get("time_steps") else None
     before = spec_counters(llm)
     start = time.perf_counter()
     while pending or live:
@@ -82,7 +105,12 @@ def run(llm, command: dict) -> dict:
             live[request["id"]] = live[internal] = {"id": request["id"], "admitted": admitted, "first": None}
         if not engine.has_unfinished_requests():
             raise RuntimeError("vLLM holds none of the requests in flight: they were not admitted")
-        for output in engine.step():
+        states = list({id(v): v for v in live.values()}.values())
+        began = time.perf_counter()
+        outputs = engine.step()
+        if timing is not None:      # [seconds, requests in flight, of them past their first token]
+            timing.append([time.perf_counter() - began, len(states), sum(s["first"] is not None for s in states)])
+        for output in outputs:
             state = live.get(output.request_id)
             if state is None:
                 continue
@@ -96,10 +124,16 @@ def run(llm, command: dict) -> dict:
                 for key in [k for k, v in live.items() if v is state]:
                     del live[key]
     wall = time.perf_counter() - start
-    return {"runs": done, "wall": wall, "metrics": counter_delta(before, spec_counters(llm))}
+    answer = {"runs": done, "wall": wall, "metrics": counter_delta(before, spec_counters(llm))}
+    if timing is not None:
+        answer["steps"] = timing
+    return answer
 
 
 def main():
+    if sys.argv[1:] == ["--device-name"]:    # the cost tables' machine, without starting an engine
+        print(device_name())
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True)
     parser.add_argument("--method", default=None)
@@ -128,7 +162,7 @@ def main():
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(temperature=0.0, max_tokens=4),
                  use_tqdm=False)                                                     # warm-up
     import vllm  # optional: runs in the vLLM environment only
-    print(MARK + json.dumps({"ready": True, "vllm": vllm.__version__}), flush=True)
+    print(MARK + json.dumps({"ready": True, "vllm": vllm.__version__, "device": device_name()}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         if command.get("quit"):

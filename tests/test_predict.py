@@ -158,14 +158,23 @@ def test_the_predict_check_script_runs_as_its_usage_line_says(tiny_target, tmp_p
     rows = json.loads((tmp_path / "out" / "predict_check.json").read_text())
     assert [r["k"] for r in rows] == [1, 2]
     for r in rows:
-        bench = json.loads((tmp_path / "out" / "0-run" / f"bench-k{r['k']}" / "report.json").read_text())
+        bench = json.loads((tmp_path / "out" / "0-run" / f"bench-draftsmith-k{r['k']}" / "report.json").read_text())
         assert bench["proposal"] == f"chain of {r['k']}"
+        assert (r["engine"], r["batch"]) == ("draftsmith", 1)
         step = r["step_ms"]
         assert r["predicted_from_bench_acceptance"] == pytest.approx(
-            r["bench_tau"] * step["verify_0"] / (step["verify_k"] + step["draft"]))
+            r["bench_tau"] * step["step_0"] / (step["step_k"] + step["draft"]))
         assert r["profile_tau"] == pytest.approx(1 + sum([0.7, 0.4][:r["k"]]))
         assert r["measured_decoding"] > 0 and r["error"] == pytest.approx(r["predicted"] / r["measured_decoding"] - 1)
-    assert "| eagle3 | 2 |" in capsys.readouterr().out
+    assert "| eagle3 | draftsmith | 1 | 2 |" in capsys.readouterr().out
+
+
+def test_vllm_step_times_count_only_steps_with_the_whole_batch_decoding():
+    from draftsmith.eval.predict_vllm import decode_step_ms
+    steps = [[0.0001, 2, 0], [0.8, 2, 0], [0.5, 2, 1], [0.030, 2, 2], [0.040, 2, 2], [0.035, 2, 2], [0.020, 1, 1]]
+    assert decode_step_ms(steps, 2) == pytest.approx(35.0)         # the prefills and the tail left out
+    assert decode_step_ms(steps, 1) == pytest.approx(20.0)
+    assert decode_step_ms(steps, 4) is None
 
 
 def test_bench_chain_is_draftsmith_engines_own():

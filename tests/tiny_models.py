@@ -198,3 +198,47 @@ def dialogues_file(path: Path, count: int) -> Path:
             {"role": "user", "content": text(2, 4)}, {"role": "assistant", "content": text(3, 5 + i % 3)}]})
     path.write_text("\n".join(json.dumps(r) for r in rows))
     return path
+
+
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe")      # heads/mtp.py knows their MTP naming
+
+
+def build_mtp_target(directory: Path, family: str = "deepseek_v3", seed: int = 0, write_mtp: bool = True,
+                     hidden: int = 64) -> Path:
+    """A tiny random `family` target whose checkpoint carries one MTP layer as the real checkpoints store it
+    (DeepSeek-V3, GLM-4.5: `model.layers.{N}.*` after N decoder layers, the block in the checkpoint's own
+    per-expert names, plus enorm, hnorm, eh_proj, shared_head.norm and copies of the head and embedding).
+    write_mtp=False: the same target saved as transformers saves it (its config declares the MTP layer,
+    the files hold none)."""
+    from safetensors.torch import load_file, save_file
+
+    build_tiny_target(directory, family, seed=seed, hidden=hidden)
+    if not write_mtp:
+        return directory
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    config = json.loads((directory / "config.json").read_text())
+    n = config["num_hidden_layers"]
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def like(t: torch.Tensor, norm: bool = False) -> torch.Tensor:
+        noise = torch.randn(t.shape, generator=generator)
+        if norm or t.ndim == 1:
+            return (1.0 + 0.1 * noise).to(t.dtype)
+        return (noise * max(float(t.float().std()), 0.02)).to(t.dtype)
+
+    last = f"model.layers.{n - 1}."
+    for key in [k for k in tensors if k.startswith(last)]:
+        t = tensors[key]
+        fresh = torch.zeros_like(t) if key.endswith("e_score_correction_bias") else like(t)
+        tensors[f"model.layers.{n}." + key[len(last):]] = fresh
+    h = config["hidden_size"]
+    mtp = f"model.layers.{n}."
+    tensors[mtp + "enorm.weight"] = like(torch.ones(h), norm=True)
+    tensors[mtp + "hnorm.weight"] = like(torch.ones(h), norm=True)
+    tensors[mtp + "eh_proj.weight"] = torch.randn((h, 2 * h), generator=generator) * (2 * h) ** -0.5
+    tensors[mtp + "shared_head.norm.weight"] = like(torch.ones(h), norm=True)
+    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return directory

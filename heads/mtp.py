@@ -1,0 +1,300 @@
+"""MTP: the multi-token-prediction layers a target ships with (DeepSeek-V3, GLM-4.5), fine-tuned in place.
+
+A target trained with MTP (DeepSeek-V3 section 2.2) stores, after its N decoder layers, one more block
+per MTP depth, under that family's own tensor names (`MTP_NAMING`).  For DeepSeek-V3 and GLM-4-MoE
+depth i is `model.layers.{N+i}.*`:
+
+    enorm, hnorm        RMSNorms of the next token's embedding and of the hidden state
+    eh_proj             [H, 2H], no bias: cat(enorm(embed), hnorm(hidden)) -> H
+    (the rest)          one decoder layer of the family's own class (MLA and experts for DeepSeek-V3)
+    shared_head.norm    the norm before the head
+    shared_head.head, embed_tokens   copies of the target's head and embedding (shared, frozen)
+
+Input at position t: the target's final normed hidden state h_t and the embedding of token t+1
+(zeroed at position 0, as vLLM's MTP proposers do); output: shared_head.norm(block(...)), read out
+by the target's head as the prediction of token t+2.  Drafting K > 1 reuses the block on its own
+output (the normed state, as vLLM recycles it) and the token it drafted, as vLLM's `method: mtp`
+does; decoding shares EAGLE's cache and dynamic tree (heads/eagle_decoding.py).
+
+The block is transformers' own `MtpLayer` (transformers.modeling_layers), built from the target's
+config (`get_mtp_config`) with the target's decoder layer class, and filled by transformers' own
+conversions of the family's checkpoint names (fused experts and the like), so the family's layer is
+the family's layer.  draftsmith reads the tensors itself, by the family's naming, from the target's
+safetensors (transformers drops them when it loads the target), and checks that each one is there
+and has its shape before anything loads.
+
+Warm start is the default: before training, the drafter is the shipped MTP (tests/test_mtp.py holds
+its proposals equal to transformers' own `MtpModel` on the same inputs).  Training unrolls the block
+`train_steps` times on its own output with teacher-forced tokens, step s weighted decay**s (the
+step-weighted loss of FastMTP, arXiv 2509.18362); only the MTP tensors train, the embedding and head
+stay the target's.  Shape notation: b batch, s sequence, H hidden, V vocabulary.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.heads.contract import DrafterBase
+from draftsmith.heads.decoding.dynamic_tree import TreeSettings
+from draftsmith.heads.draft_vocab import add_draft_vocabulary, set_draft_map
+from draftsmith.heads.drafter import DraftContext, StepOutput, divide, term_denominators
+from draftsmith.heads.eagle_decoding import EagleDecoding
+from draftsmith.heads.registry import register
+from draftsmith.heads.runtime.target import Target
+from draftsmith.heads.soft_loss import soft_cross_entropy
+
+# model_type -> where depth i of N decoder layers keeps its tensors, and the names of its MTP-only parts
+MTP_NAMING = {
+    "deepseek_v3": "model.layers.{layer}.",
+    "glm4_moe": "model.layers.{layer}.",
+}
+MTP_PARTS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+SHARED = ("shared_head.head.weight", "embed_tokens.weight")       # copies of the target's: not trained, not read
+
+
+class MtpError(ValueError):
+    """A target whose MTP layers cannot be read (none, an unknown naming, a missing or misshapen tensor)."""
+
+
+@dataclass
+class MtpConfig:
+    train_steps: int = 3
+    """Depths trained: the block is unrolled on its own output this many times (vLLM drafts K tokens the
+    same way; K above this is refused)."""
+    loss_decay: float = 0.6
+    """Step s's loss weight is loss_decay ** s (FastMTP's step weights)."""
+    warm_start: bool = True
+    """Start from the MTP tensors the target ships with (false: the same block, freshly initialized)."""
+    tree: dict = field(default_factory=lambda: {"depth": 3, "top_k": 1, "total_tokens": 3})
+    """Decoding: a chain of `depth` drafts by default (vLLM's `num_speculative_tokens`); top_k > 1 grows
+    EAGLE-2's dynamic tree with the same block."""
+    init_from: str | None = None
+    """Warm start from a draftsmith checkpoint of this kind for this target instead (a previous fine-tune)."""
+    draft_vocab_size: int | None = None
+    """Always null: an MTP layer reads out through the target's whole head, as it was trained to."""
+
+    def __post_init__(self):
+        if self.draft_vocab_size is not None:
+            raise ValueError("drafter.draft_vocab_size must be null for mtp: the shipped layer reads out through the "
+                             "target's whole head")
+        if not 1 <= self.train_steps <= 16:
+            raise ValueError(f"drafter.train_steps must be in [1, 16], got {self.train_steps}")
+        if not 0 < self.loss_decay <= 1:
+            raise ValueError(f"drafter.loss_decay must be in (0, 1], got {self.loss_decay}")
+        TreeSettings(**self.tree)
+
+
+def target_directory(target: Target) -> Path:
+    from draftsmith.heads.runtime.assets import resolve_target_path
+    return Path(resolve_target_path(target.source)[0])
+
+
+def checkpoint_index(directory: Path) -> dict[str, str]:
+    """tensor name -> the safetensors file (in `directory`) that holds it, from the index or the files."""
+    from safetensors import safe_open
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    names = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            names.update({k: file.name for k in f.keys()})
+    return names
+
+
+def shipped_tensors(target: Target) -> tuple[dict[str, torch.Tensor], int, str]:
+    """The target checkpoint's MTP tensors for depth 0, keyed by their checkpoint names, with the layer
+    index and the naming; every name and shape checked against the target's last decoder layer first."""
+    from safetensors import safe_open
+    config = target.config
+    model_type = getattr(config, "model_type", "?")
+    depths = int(getattr(config, "num_mtp_layers", None) or getattr(config, "num_nextn_predict_layers", 0) or 0)
+    if model_type not in MTP_NAMING:
+        if depths:
+            raise MtpError(f"target '{target.name}' ({model_type}) declares {depths} MTP layer(s), but draftsmith does "
+                           f"not know where a {model_type} checkpoint keeps them; known MTP namings: "
+                           f"{', '.join(sorted(MTP_NAMING))}")
+        raise MtpError(f"target '{target.name}' ({model_type}) ships no MTP layers (its config declares none); "
+                       "train an EAGLE-3 drafter for it instead (method: eagle3)")
+    if depths < 1:
+        raise MtpError(f"target '{target.name}' ({model_type}) declares no MTP layers (num_nextn_predict_layers 0); "
+                       "train an EAGLE-3 drafter for it instead (method: eagle3)")
+    directory = target_directory(target)
+    index = checkpoint_index(directory)
+    n = target.num_layers
+    prefix = MTP_NAMING[model_type].format(layer=n)
+    last = MTP_NAMING[model_type].format(layer=n - 1)
+    # the block holds what the last decoder layer holds (MTP layers are MoE where the last layer is)
+    block = sorted(k[len(last):] for k in index if k.startswith(last))
+    wanted = [*MTP_PARTS, *block]
+    present = [name for name in wanted if prefix + name in index]
+    if not present:
+        raise MtpError(f"target '{target.name}' declares {depths} MTP layer(s) (num_nextn_predict_layers), but "
+                       f"{directory} holds no tensor named {prefix}*: a checkpoint saved without its MTP layers "
+                       "(transformers drops them on load); use the original checkpoint, or train method: eagle3")
+    missing = [name for name in wanted if prefix + name not in index]
+    if missing:
+        raise MtpError(f"MTP tensor {prefix}{missing[0]} is missing from {directory / 'model.safetensors'} "
+                       f"(its config declares {depths} MTP layer(s)){f'; {len(missing) - 1} more' if len(missing) > 1 else ''}")
+    h = target.hidden_size
+    expected = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+                "shared_head.norm.weight": (h,)}
+    tensors, shapes_of_last = {}, {}
+    files: dict[str, list[str]] = {}
+    for name in wanted:
+        files.setdefault(index[prefix + name], []).append(prefix + name)
+    for name in block:
+        files.setdefault(index[last + name], []).append(last + name)
+    for file, names in files.items():
+        with safe_open(str(directory / file), "pt") as f:
+            for key in names:
+                if key.startswith(prefix):
+                    tensors[key] = f.get_tensor(key)
+                else:
+                    shapes_of_last[key[len(last):]] = tuple(f.get_slice(key).get_shape())
+    for name in wanted:
+        shape = tuple(tensors[prefix + name].shape)
+        want = expected.get(name, shapes_of_last.get(name))
+        if want is not None and shape != tuple(want):
+            raise MtpError(f"MTP tensor {prefix}{name} in {directory / index[prefix + name]} has shape {list(shape)}; "
+                           f"the target needs {list(want)}")
+    return tensors, n, prefix
+
+
+def build_block(target: Target, tensors: dict[str, torch.Tensor] | None, prefix: str):
+    """transformers' MtpLayer for depth 0 with the target's decoder layer class, filled from `tensors`
+    (checkpoint names) through transformers' own conversions for the family; None: fresh weights."""
+    from transformers.core_model_loading import WeightRenaming
+    from transformers.modeling_layers import MtpModel
+
+    main = target.model
+    mtp_model = MtpModel(main, 1)
+    if tensors is not None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+        layer = re.escape(prefix)
+        conversions = [WeightRenaming(source_patterns=layer + r"(enorm|hnorm|eh_proj)\.", target_patterns=r"layers.0.\1."),
+                       WeightRenaming(source_patterns=layer + r"shared_head\.norm\.", target_patterns="layers.0.post_norm."),
+                       WeightRenaming(source_patterns=layer, target_patterns="layers.0.mtp_block.")]
+        conversions += list(get_model_conversion_mapping(main, add_legacy=False))
+        info, _ = convert_and_load_state_dict_in_model(
+            model=mtp_model, state_dict=dict(tensors),
+            load_config=LoadStateDictConfig(weight_mapping=conversions, dtype=main.config.dtype))
+        missing = sorted(k for k in info.missing_keys if k.startswith("layers."))
+        if missing:
+            raise MtpError(f"the MTP tensors under {prefix} did not fill {missing[:3]} of the family's MTP layer "
+                           f"(transformers {__import__('transformers').__version__})")
+    return mtp_model.layers[0]
+
+
+@register("mtp")
+class Mtp(EagleDecoding, DrafterBase):
+    title = "MTP layers (the target's own, fine-tuned)"
+    config_class = MtpConfig
+
+    def __init__(self, config: MtpConfig, target: Target):
+        super().__init__()
+        self.config = config
+        self.target = target
+        self.target_identity = target.identity
+        tensors, layer, prefix = shipped_tensors(target)
+        self.metadata: dict = {"mtp_layer": layer, "mtp_prefix": prefix, "warm_start": config.warm_start}
+        self.layer = build_block(target, tensors if config.warm_start else None, prefix).to(target.device, target.dtype)
+        self.layer.requires_grad_(True)
+        add_draft_vocabulary(self, target.vocab_size, target.vocab_size)
+        self.tree = TreeSettings(**config.tree)
+
+    @staticmethod
+    def parameter_layout(config: dict) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every saved tensor, from a checkpoint's config.json alone."""
+        return {"draft_to_target": (config["target"]["vocab_size"],),
+                **{name: tuple(shape) for name, shape in config["architecture"]["tensors"].items()}}
+
+    def architecture(self) -> dict:
+        """The block's tensors (the family's layer, as transformers holds it), so that a checkpoint's layout
+        is known without the target."""
+        return {"tensors": {f"layer.{k}": list(v.shape) for k, v in self.layer.state_dict().items()},
+                "model_type": getattr(self.target.config, "model_type", "?"), **self.metadata}
+
+    @property
+    def required_layers(self) -> tuple[int, ...]:
+        return (self.target.num_layers,)
+
+    @property
+    def draft_positions(self) -> int:
+        return self.config.train_steps
+
+    def set_draft_vocabulary(self, draft_to_target: torch.Tensor) -> None:
+        if draft_to_target.numel() != self.target.vocab_size:
+            raise MtpError("an MTP layer reads out through the target's whole head: draft_vocab_size must be null")
+        set_draft_map(self, draft_to_target)
+
+    def logits(self, state: torch.Tensor) -> torch.Tensor:
+        """The block's normed output [..., H] -> [..., V] through the target's head."""
+        return self.target.compute_logits(state)
+
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        embeds = self.target.embed_tokens(tokens).to(self.layer.eh_proj.weight.dtype)
+        return torch.where((positions == 0)[..., None], torch.zeros_like(embeds), embeds)
+
+    def _block(self, state, tokens, positions, attention_mask, **kwargs) -> torch.Tensor:
+        embeds = self._embed(tokens, positions)
+        rotary = getattr(self.target.decoder, "rotary_emb", None)
+        position_embeddings = rotary(embeds, position_ids=positions) if rotary is not None else None
+        return self.layer(embeds, state.to(embeds.dtype), position_embeddings=position_embeddings,
+                          attention_mask=attention_mask, position_ids=positions, cache=None, **kwargs)
+
+    def _step(self, state, tokens, positions, cache) -> torch.Tensor:
+        """Decoding: (state [1, n, H], token [1, n]) pairs at positions [1, n] through the engine's cache."""
+        from draftsmith.heads.runtime import engine
+        b, n = tokens.shape
+        dummy = torch.ones(b, 1, n, 1, dtype=torch.bool, device=tokens.device)      # the cache builds the mask
+        return self._block(state, tokens, positions, dummy, **{engine.CACHE_KWARG: cache})
+
+    def _context_hidden(self, context: DraftContext) -> torch.Tensor:
+        return context.hidden[self.target.num_layers]
+
+    def forward(self, batch: dict) -> StepOutput:
+        return self.loss(batch)
+
+    def _scored(self, batch: dict, step: int) -> torch.Tensor:
+        """Positions t whose step-`step` prediction (token t+2+step) is a reply token."""
+        return F.pad(batch["loss_mask"][:, 2 + step:], (0, 2 + step)).bool() & batch["attention_mask"].bool()
+
+    def loss_counts(self, batch: dict) -> torch.Tensor:
+        return torch.stack([self._scored(batch, s).sum().float() for s in range(self.config.train_steps)])
+
+    def loss(self, batch: dict) -> StepOutput:
+        """Soft cross-entropy against the target's distribution at each unrolled depth, weighted decay**s.
+
+        Step s at position t reads token t+1+s (teacher-forced) and the previous step's output at t (the
+        target's h_t at step 0), at position t+s, and predicts token t+2+s; its target is the target's
+        next-token distribution at position t+1+s.  Each step attends causally over its own row."""
+        features = batch["features"][self.target.num_layers]                             # [b, s, H], normed
+        input_ids, attention = batch["input_ids"], batch["attention_mask"].bool()
+        b, s = input_ids.shape
+        causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
+        mask = (causal[None] & attention[:, None, :])[:, None]                           # [b, 1, s, s]
+        counts = self.loss_counts(batch)
+        denominators = term_denominators(batch, counts)
+        state = features
+        total, correct, counted = 0.0, [], []
+        for step in range(self.config.train_steps):
+            tokens = F.pad(input_ids[:, 1 + step:], (0, 1 + step))                       # token t+1+s at t
+            positions = (torch.arange(s, device=input_ids.device) + step)[None].expand(b, s)
+            state = self._block(state, tokens, positions, mask)
+            scored = self._scored(batch, step)
+            wanted = F.pad(features[:, 1 + step:], (0, 0, 0, 1 + step))[scored]          # h_{t+1+s}
+            with torch.no_grad():
+                target_probs = torch.softmax(self.target.compute_logits(wanted).float(), dim=-1)
+            per_position, guess = soft_cross_entropy(self.logits(state[scored]), target_probs)
+            total = total + self.config.loss_decay ** step * divide(per_position.sum(), denominators[step])
+            correct.append((guess == target_probs.argmax(-1)).sum().float())
+            counted.append(scored.sum().float())
+        return StepOutput(loss=total, correct=torch.stack(correct), counted=torch.stack(counted))
