@@ -119,6 +119,9 @@ def tune_dynamic_tree(drafter, target: Target, options: EvalSettings):
     prompt = load_prompts(target, options.prompts, 1)[0][1]    # not MT-bench's: its package may be absent
     default = drafter.config.tree
     candidates = DYNAMIC_TREES + [(default["depth"], default["top_k"], default["total_tokens"])]
+    deepest = getattr(drafter, "max_proposal_depth", None)        # a drafter that refuses deeper proposals (MTP)
+    if deepest:
+        candidates = [c for c in candidates if c[0] <= deepest]
     rates = {}
     for depth, top_k, total in dict.fromkeys(candidates):
         drafter.set_proposal(tree=TreeSettings(depth, top_k, total))

@@ -44,6 +44,7 @@ from draftsmith.heads.decoding.dynamic_tree import TreeSettings
 from draftsmith.heads.draft_vocab import add_draft_vocabulary, set_draft_map
 from draftsmith.heads.drafter import DraftContext, StepOutput, divide, term_denominators
 from draftsmith.heads.eagle_decoding import EagleDecoding
+from draftsmith.heads.formats import ExportFormat, ImportFormatError, cast, readme
 from draftsmith.heads.registry import register
 from draftsmith.heads.runtime.target import Target
 from draftsmith.heads.soft_loss import soft_cross_entropy
@@ -87,6 +88,9 @@ class MtpConfig:
         if not 0 < self.loss_decay <= 1:
             raise ValueError(f"drafter.loss_decay must be in (0, 1], got {self.loss_decay}")
         TreeSettings(**self.tree)
+        if self.tree["depth"] > self.train_steps:
+            raise ValueError(f"drafter.tree depth {self.tree['depth']} is deeper than the {self.train_steps} depths "
+                             "trained (drafter.train_steps): raise train_steps, or draft less deep")
 
 
 def target_directory(target: Target) -> Path:
@@ -107,10 +111,9 @@ def checkpoint_index(directory: Path) -> dict[str, str]:
     return names
 
 
-def shipped_tensors(target: Target) -> tuple[dict[str, torch.Tensor], int, str]:
-    """The target checkpoint's MTP tensors for depth 0, keyed by their checkpoint names, with the layer
-    index and the naming; every name and shape checked against the target's last decoder layer first."""
-    from safetensors import safe_open
+def mtp_prefix(target: Target) -> tuple[str, int]:
+    """Where depth 0 of the target's MTP layers lives in its checkpoint, and the declared depth count; a
+    target with none, or with a naming draftsmith does not know, is refused by name."""
     config = target.config
     model_type = getattr(config, "model_type", "?")
     depths = int(getattr(config, "num_mtp_layers", None) or getattr(config, "num_nextn_predict_layers", 0) or 0)
@@ -124,46 +127,69 @@ def shipped_tensors(target: Target) -> tuple[dict[str, torch.Tensor], int, str]:
     if depths < 1:
         raise MtpError(f"target '{target.name}' ({model_type}) declares no MTP layers (num_nextn_predict_layers 0); "
                        "train an EAGLE-3 drafter for it instead (method: eagle3)")
+    return MTP_NAMING[model_type].format(layer=target.num_layers), depths
+
+
+def expected_shapes(target: Target) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape of every tensor depth 0 needs: its own parts, and the block, which holds what
+    the target's last decoder layer holds in its checkpoint (MTP layers are MoE where the last layer is)."""
+    from safetensors import safe_open
+    prefix, _ = mtp_prefix(target)
+    model_type = target.config.model_type
+    last = MTP_NAMING[model_type].format(layer=target.num_layers - 1)
     directory = target_directory(target)
     index = checkpoint_index(directory)
-    n = target.num_layers
-    prefix = MTP_NAMING[model_type].format(layer=n)
-    last = MTP_NAMING[model_type].format(layer=n - 1)
-    # the block holds what the last decoder layer holds (MTP layers are MoE where the last layer is)
-    block = sorted(k[len(last):] for k in index if k.startswith(last))
-    wanted = [*MTP_PARTS, *block]
-    present = [name for name in wanted if prefix + name in index]
-    if not present:
+    h = target.hidden_size
+    shapes = {prefix + "enorm.weight": (h,), prefix + "hnorm.weight": (h,), prefix + "eh_proj.weight": (h, 2 * h),
+              prefix + "shared_head.norm.weight": (h,)}
+    by_file: dict[str, list[str]] = {}
+    for key in index:
+        if key.startswith(last):
+            by_file.setdefault(index[key], []).append(key)
+    for file, keys in by_file.items():
+        with safe_open(str(directory / file), "pt") as f:
+            for key in keys:
+                shapes[prefix + key[len(last):]] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def check_tensors(shapes: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], where, declared: int) -> None:
+    """Every tensor of `shapes` is in `found` with that shape; where(name) names the file that should hold it."""
+    missing = [name for name in shapes if name not in found]
+    if missing:
+        more = f"; {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise MtpError(f"MTP tensor {missing[0]} is missing from {where(missing[0])} (its config declares {declared} "
+                       f"MTP layer(s)){more}")
+    for name, shape in shapes.items():
+        if tuple(found[name]) != tuple(shape):
+            raise MtpError(f"MTP tensor {name} in {where(name)} has shape {list(found[name])}; the target needs "
+                           f"{list(shape)}")
+
+
+def shipped_tensors(target: Target) -> tuple[dict[str, torch.Tensor], str]:
+    """The target checkpoint's MTP tensors for depth 0, keyed by their checkpoint names, with their prefix;
+    every name and shape checked before any is read."""
+    from safetensors import safe_open
+    prefix, depths = mtp_prefix(target)
+    directory = target_directory(target)
+    index = checkpoint_index(directory)
+    if not any(k.startswith(prefix) for k in index):
         raise MtpError(f"target '{target.name}' declares {depths} MTP layer(s) (num_nextn_predict_layers), but "
                        f"{directory} holds no tensor named {prefix}*: a checkpoint saved without its MTP layers "
                        "(transformers drops them on load); use the original checkpoint, or train method: eagle3")
-    missing = [name for name in wanted if prefix + name not in index]
-    if missing:
-        raise MtpError(f"MTP tensor {prefix}{missing[0]} is missing from {directory / 'model.safetensors'} "
-                       f"(its config declares {depths} MTP layer(s)){f'; {len(missing) - 1} more' if len(missing) > 1 else ''}")
-    h = target.hidden_size
-    expected = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
-                "shared_head.norm.weight": (h,)}
-    tensors, shapes_of_last = {}, {}
-    files: dict[str, list[str]] = {}
-    for name in wanted:
-        files.setdefault(index[prefix + name], []).append(prefix + name)
-    for name in block:
-        files.setdefault(index[last + name], []).append(last + name)
-    for file, names in files.items():
+    shapes = expected_shapes(target)
+    found = {}
+    for file in sorted({index[k] for k in shapes if k in index}):
         with safe_open(str(directory / file), "pt") as f:
-            for key in names:
-                if key.startswith(prefix):
-                    tensors[key] = f.get_tensor(key)
-                else:
-                    shapes_of_last[key[len(last):]] = tuple(f.get_slice(key).get_shape())
-    for name in wanted:
-        shape = tuple(tensors[prefix + name].shape)
-        want = expected.get(name, shapes_of_last.get(name))
-        if want is not None and shape != tuple(want):
-            raise MtpError(f"MTP tensor {prefix}{name} in {directory / index[prefix + name]} has shape {list(shape)}; "
-                           f"the target needs {list(want)}")
-    return tensors, n, prefix
+            found.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if k in shapes})
+    sharded = (directory / "model.safetensors.index.json").is_file()
+    check_tensors(shapes, found, lambda name: directory / index.get(
+        name, "model.safetensors.index.json" if sharded else "model.safetensors"), depths)
+    tensors = {}
+    for file in sorted({index[k] for k in shapes}):
+        with safe_open(str(directory / file), "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys() if k in shapes})
+    return tensors, prefix
 
 
 def build_block(target: Target, tensors: dict[str, torch.Tensor] | None, prefix: str):
@@ -203,9 +229,10 @@ class Mtp(EagleDecoding, DrafterBase):
         self.config = config
         self.target = target
         self.target_identity = target.identity
-        tensors, layer, prefix = shipped_tensors(target)
-        self.metadata: dict = {"mtp_layer": layer, "mtp_prefix": prefix, "warm_start": config.warm_start}
-        self.layer = build_block(target, tensors if config.warm_start else None, prefix).to(target.device, target.dtype)
+        prefix, _ = mtp_prefix(target)
+        tensors = shipped_tensors(target)[0] if config.warm_start else None
+        self.metadata: dict = {"mtp_layer": target.num_layers, "mtp_prefix": prefix, "warm_start": config.warm_start}
+        self.layer = build_block(target, tensors, prefix).to(target.device, target.dtype)
         self.layer.requires_grad_(True)
         add_draft_vocabulary(self, target.vocab_size, target.vocab_size)
         self.tree = TreeSettings(**config.tree)
@@ -229,6 +256,19 @@ class Mtp(EagleDecoding, DrafterBase):
     @property
     def draft_positions(self) -> int:
         return self.config.train_steps
+
+    @property
+    def max_proposal_depth(self) -> int:
+        """The deepest proposal it makes: the depths trained (eval's tree tuning reads it)."""
+        return self.config.train_steps
+
+    def set_proposal(self, chain: int | None = None, tree_size: int | None = None, tree: TreeSettings | None = None):
+        """EAGLE's chain or dynamic tree, no deeper than the depths trained."""
+        depth = chain if chain is not None else (tree.depth if tree is not None else self.config.tree["depth"])
+        if depth > self.config.train_steps:
+            raise MtpError(f"a proposal {depth} deep from an MTP layer trained for {self.config.train_steps} depths "
+                           "(drafter.train_steps): draft at most that deep, or fine-tune with a larger train_steps")
+        super().set_proposal(chain, tree_size, tree)
 
     def set_draft_vocabulary(self, draft_to_target: torch.Tensor) -> None:
         if draft_to_target.numel() != self.target.vocab_size:
@@ -298,3 +338,89 @@ class Mtp(EagleDecoding, DrafterBase):
             correct.append((guess == target_probs.argmax(-1)).sum().float())
             counted.append(scored.sum().float())
         return StepOutput(loss=total, correct=torch.stack(correct), counted=torch.stack(counted))
+
+
+# -- serving: vLLM's `method: mtp` --------------------------------------------------------------------------
+#
+# vLLM 0.32 (model_executor/models/deepseek_mtp.py, glm4_moe_mtp.py) builds the MTP model from the
+# speculative_config's `model` directory: its config.json (the target's: num_hidden_layers and
+# num_nextn_predict_layers place the layer) and every tensor named model.layers.{N+i}.* in its
+# safetensors, in the checkpoint's own names (per-expert MoE weights), including shared_head.head and
+# embed_tokens.  Tensors outside those layers are skipped.  So the export is the target's config.json
+# and the MTP layer alone, in the target checkpoint's names: a directory of a few hundred MB to serve
+# beside the untouched target (`"model": EXPORT_DIR`).
+
+def checkpoint_names(target: Target, weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The drafter's block (transformers' in-memory names) under the target checkpoint's own names, through
+    the family's conversions run backwards (as transformers' save_pretrained writes a checkpoint)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    ours = {}
+    for name, tensor in weights.items():
+        if not name.startswith("layer."):
+            continue
+        inner = name[len("layer."):]
+        if inner.startswith("mtp_block."):
+            ours[prefix + inner[len("mtp_block."):]] = tensor
+        elif inner.startswith("post_norm."):
+            ours[prefix + "shared_head.norm." + inner[len("post_norm."):]] = tensor
+        else:
+            ours[prefix + inner] = tensor                               # enorm, hnorm, eh_proj
+    config = AutoConfig.from_pretrained(target_directory(target), local_files_only=True)
+    with torch.device("meta"):
+        family = AutoModelForCausalLM.from_config(config)            # its conversions, no weights
+    return dict(revert_weight_conversion(family, ours))
+
+
+def write_vllm(config, weights, target, dtype, checkpoint):
+    prefix = config["architecture"]["mtp_prefix"]
+    state = checkpoint_names(target, weights, prefix)
+    state[prefix + "shared_head.head.weight"] = target.lm_head.weight.detach().float().cpu()
+    state[prefix + "embed_tokens.weight"] = target.embed_tokens.weight.detach().float().cpu()
+    target_config = json.loads((target_directory(target) / "config.json").read_text())
+    text = readme(config, checkpoint, "MTP layer for vLLM (`method: mtp`)", serve_vllm(config),
+                  f"The target's own MTP layer ({prefix}*), fine-tuned by draftsmith, in the target checkpoint's tensor "
+                  "names, beside the target's config.json. vLLM builds its MTP model from this directory and takes "
+                  "nothing else from it; the target itself is served unchanged. K > 1 reuses the layer on its own "
+                  "output.")
+    return {"model.safetensors": cast(state, dtype)}, {"config.json": target_config, "README.md": text}
+
+
+def serve_vllm(config: dict) -> str:
+    depth = config["drafter"].get("train_steps", 3)
+    return (f"""vllm serve TARGET_DIR --speculative-config '{{"method": "mtp", "model": "THIS_DIR", """
+            f""""num_speculative_tokens": {depth}}}'""")
+
+
+def recognizes_vllm(export_config: dict) -> bool:
+    """An MTP export is the target's own config: a family with a known MTP naming that declares MTP layers."""
+    depths = export_config.get("num_nextn_predict_layers") or export_config.get("num_mtp_layers") or 0
+    return export_config.get("model_type") in MTP_NAMING and depths > 0
+
+
+def read_vllm(export_config: dict, weights: dict, target: Target, confirmed: bool = False):
+    """An export (or any checkpoint in the family's naming, the target's own included) back as a drafter:
+    the MTP tensors checked by name and shape against the target, then loaded as the warm start is."""
+    if export_config.get("model_type") != getattr(target.config, "model_type", None) or \
+            export_config.get("num_hidden_layers") != target.num_layers:
+        raise ImportFormatError(f"the export holds the MTP layer of a {export_config.get('model_type')} model with "
+                                f"{export_config.get('num_hidden_layers')} layers; the target is "
+                                f"{getattr(target.config, 'model_type', '?')} with {target.num_layers}")
+    prefix, depths = mtp_prefix(target)
+    shapes = expected_shapes(target)
+    try:
+        check_tensors(shapes, {k: tuple(v.shape) for k, v in weights.items()}, lambda name: "the export", depths)
+    except MtpError as err:
+        raise ImportFormatError(str(err)) from None
+    drafter = Mtp(MtpConfig(warm_start=False), target)
+    drafter.layer = build_block(target, {k: weights[k] for k in shapes}, prefix).to(target.device, target.dtype)
+    drafter.layer.requires_grad_(True)
+    drafter.metadata["warm_start"] = True
+    return drafter
+
+
+Mtp.formats = (
+    ExportFormat("vllm", write_vllm, serve_vllm, read=read_vllm, recognizes=recognizes_vllm,
+                 needs_target=lambda config: True, method="mtp"),
+)

@@ -136,10 +136,10 @@ def main(argv=None) -> int:
     ks = sorted({int(k) for k in args.ks.split(",")})
     out = Path(args.out)
     rows = []
+    out.mkdir(parents=True, exist_ok=True)
     for i, checkpoint in enumerate(args.checkpoints):
         rows += check(checkpoint, out / f"{i}-{Path(checkpoint).parent.name or 'checkpoint'}", ks, args)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "predict_check.json").write_text(json.dumps(rows, indent=1))
+        (out / "predict_check.json").write_text(json.dumps(rows, indent=1))       # kept drafter by drafter
     print(table(rows))
     for source in sorted({r["profile_source"] for r in rows}):
         print(f"profile: {source}")

@@ -173,3 +173,46 @@ def test_training_moves_the_shipped_layer_to_the_targets_own_data(tmp_path):
     prompt = list(range(5, 14))
     plain = decode(target, prompt, 16)
     assert decode(target, prompt, 16, drafter).tokens == plain.tokens
+
+
+def test_export_for_vllm_is_the_checkpoints_own_layer_and_imports_back(mtp_target, tmp_path):
+    """`export --to vllm` writes the target's config.json and its MTP layer in the checkpoint's own names (per-expert
+    weights, shared_head, embed_tokens): for the warm-started drafter, exactly the tensors the target ships.  After
+    a change to the layer, `import --from vllm` gives back the same weights and the same proposals."""
+    from safetensors.torch import load_file
+
+    from draftsmith.export import export
+    from draftsmith.export.importers import import_drafter
+    from draftsmith.heads.drafter import save_drafter
+
+    target_dir = Path(mtp_target.source)
+    drafter = Mtp(MtpConfig(), mtp_target).eval()
+    save_drafter(drafter, tmp_path / "shipped")
+    out = export(tmp_path / "shipped", "vllm", tmp_path / "vllm", dtype="float32")
+    written = load_file(str(out / "model.safetensors"))
+    prefix = f"model.layers.{mtp_target.num_layers}."
+    shipped = {k: v for k, v in load_file(str(target_dir / "model.safetensors")).items() if k.startswith(prefix)}
+    assert sorted(written) == sorted(shipped)
+    assert all(torch.equal(written[k], shipped[k]) for k in shipped)
+    assert json.loads((out / "config.json").read_text()) == json.loads((target_dir / "config.json").read_text())
+    assert '"method": "mtp"' in (out / "README.md").read_text()
+
+    with torch.no_grad():
+        drafter.layer.eh_proj.weight.mul_(1.5)
+        drafter.layer.mtp_block.mlp.experts.gate_up_proj.add_(0.01)
+    save_drafter(drafter, tmp_path / "tuned")
+    out = export(tmp_path / "tuned", "vllm", tmp_path / "vllm-tuned", dtype="float32")
+    back = import_drafter(out, "vllm", mtp_target).eval()
+    mine, theirs = drafter.state_dict(), back.state_dict()
+    assert sorted(mine) == sorted(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    prompt = list(range(4, 13))
+    assert decode(mtp_target, prompt, 12, back).tokens == decode(mtp_target, prompt, 12).tokens
+
+
+def test_a_proposal_deeper_than_the_depths_trained_is_refused(mtp_target):
+    drafter = Mtp(MtpConfig(train_steps=2, tree={"depth": 2, "top_k": 1, "total_tokens": 2}), mtp_target)
+    drafter.set_proposal(chain=2)
+    with pytest.raises(MtpError, match="3 deep from an MTP layer trained for 2 depths"):
+        drafter.set_proposal(chain=3)
+    with pytest.raises(ValueError, match="deeper than the 1 depths trained"):
+        MtpConfig(train_steps=1)

