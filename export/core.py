@@ -93,6 +93,8 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
         if with_target:             # base + adapter merged: a plain model any stack serves
             target.model.to(_dtype(dtype)).save_pretrained(tmp / "target", safe_serialization=True)
             target.tokenizer.save_pretrained(tmp / "target")
+            if writer.stitch is not None:        # the drafter is a layer of the target itself (MTP)
+                writer.stitch(tensors, tmp / "target")
             for written in (tmp / "target").rglob("*.safetensors"):
                 os.chmod(written, 0o666 & ~current_umask())
         swap_directory(tmp, out_dir)

@@ -55,6 +55,8 @@ class ExportFormat:
     refuses: Callable[[dict, str], str | None] = lambda config, version: None   # why a stack version cannot
     weights_file: str = ""         # the one file a reader takes ("": every .safetensors of the export)
     parallel_drafting: bool = False  # vLLM's speculative_config needs parallel_drafting: true (P-EAGLE)
+    stitch: Callable | None = None   # stitch(tensors {file: {name: tensor}}, target_dir): put the drafter into
+    #                                  the target `export --with-target` wrote (a layer the target itself carries)
 
 
 def formats_of(kind: str) -> dict[str, ExportFormat]:

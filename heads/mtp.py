@@ -214,8 +214,9 @@ def build_block(target: Target, tensors: dict[str, torch.Tensor] | None, prefix:
             load_config=LoadStateDictConfig(weight_mapping=conversions, dtype=main.config.dtype))
         missing = sorted(k for k in info.missing_keys if k.startswith("layers."))
         if missing:
+            import transformers
             raise MtpError(f"the MTP tensors under {prefix} did not fill {missing[:3]} of the family's MTP layer "
-                           f"(transformers {__import__('transformers').__version__})")
+                           f"(transformers {transformers.__version__})")
     return mtp_model.layers[0]
 
 
@@ -420,7 +421,26 @@ def read_vllm(export_config: dict, weights: dict, target: Target, confirmed: boo
     return drafter
 
 
+def stitch(tensors: dict[str, dict[str, torch.Tensor]], target_dir: Path) -> None:
+    """`export --to vllm --with-target`: the target as transformers saved it (without MTP layers) gets the
+    fine-tuned layer back, as one more shard (`model-mtp.safetensors`) in its index, so that a stack which
+    reads MTP layers from the target itself (vLLM with no `model` in its speculative_config) serves it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    layer = {k: v.contiguous() for k, v in tensors["model.safetensors"].items()}
+    save_file(layer, str(target_dir / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index_path = target_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+    else:
+        with safe_open(str(target_dir / "model.safetensors"), "pt") as f:
+            index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in f.keys()}}
+    index["weight_map"].update({k: "model-mtp.safetensors" for k in layer})
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+
+
 Mtp.formats = (
     ExportFormat("vllm", write_vllm, serve_vllm, read=read_vllm, recognizes=recognizes_vllm,
-                 needs_target=lambda config: True, method="mtp"),
+                 needs_target=lambda config: True, method="mtp", stitch=stitch),
 )

@@ -216,3 +216,24 @@ def test_a_proposal_deeper_than_the_depths_trained_is_refused(mtp_target):
         drafter.set_proposal(chain=3)
     with pytest.raises(ValueError, match="deeper than the 1 depths trained"):
         MtpConfig(train_steps=1)
+
+
+def test_export_with_the_target_stitches_the_tuned_layer_into_it(mtp_target, tmp_path):
+    """`export --to vllm --with-target`: OUT/target is the whole target with the fine-tuned MTP layer in place (one
+    more shard in its index), so a stack that reads MTP layers from the target itself finds the tuned one: read back
+    from there, the drafter is the tuned drafter."""
+    from draftsmith.cli import main
+    from draftsmith.heads.drafter import save_drafter
+
+    drafter = Mtp(MtpConfig(), mtp_target).eval()
+    with torch.no_grad():
+        drafter.layer.hnorm.weight.mul_(0.5)
+    save_drafter(drafter, tmp_path / "tuned")
+    assert main(["export", str(tmp_path / "tuned"), "--to", "vllm", str(tmp_path / "out"), "--dtype", "float32",
+                 "--with-target"]) == 0
+    index = json.loads((tmp_path / "out" / "target" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"][f"model.layers.{mtp_target.num_layers}.hnorm.weight"] == "model-mtp.safetensors"
+    stitched = Target.load(str(tmp_path / "out" / "target"), "float32", "cpu")
+    again = Mtp(MtpConfig(), stitched).eval()
+    mine, theirs = drafter.state_dict(), again.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)

