@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,56 +24,17 @@ import torch
 
 from draftsmith.heads.infra.device import synchronize
 
+from .costs import COST_VERSION, CONTEXT, CostTable, cost_path, machine_name
 from .proposal import measure_proposal, nondecreasing
 
 log = logging.getLogger(__name__)
 
 BATCHES = (1, 2, 4, 8, 16, 32)
 KS = tuple(range(9))
-CONTEXT = 512             # cached tokens while a step is timed: a typical chat's
-COST_VERSION = 1
 
 
 class PredictError(ValueError):
     """A prediction that cannot be made as asked (no acceptance profile, another target's)."""
-
-
-@dataclass
-class CostTable:
-    """Measured milliseconds of a speculative step's two parts, by batch size and draft length."""
-    machine: str
-    stack: str                          # draftsmith (its engine) or vllm
-    target: str                         # the target's weights sha256
-    dtype: str
-    drafter: str                        # what D was measured with: a checkpoint's weights, or a kind built untrained
-    context: int
-    verify_ms: dict[int, dict[int, float]]        # b -> K -> T(b, K)
-    draft_ms: dict[int, dict[int, float]]         # b -> K -> D(b, K); D(b, 0) = 0
-    version: int = COST_VERSION
-
-    def matches(self, other: dict) -> list[str]:
-        """What differs from the conditions `other` names (machine, stack, target, dtype, drafter, context)."""
-        return [f"{k} {getattr(self, k)!r} (here {other[k]!r})" for k in other if getattr(self, k) != other[k]]
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> CostTable:
-        table = cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
-        table.verify_ms = {int(b): {int(k): float(v) for k, v in row.items()} for b, row in table.verify_ms.items()}
-        table.draft_ms = {int(b): {int(k): float(v) for k, v in row.items()} for b, row in table.draft_ms.items()}
-        return table
-
-
-def machine_name(device: torch.device) -> str:
-    """The device's model, as the cost tables name it: a GPU's name, else the CPU's model and core count."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores"
 
 
 # -- the model ---------------------------------------------------------------------------------------------
@@ -182,13 +142,6 @@ def profile_of(checkpoint: Path, depth: int) -> Profile:
 
 
 # -- measuring the costs --------------------------------------------------------------------------------------
-
-def cost_path(stack: str, conditions: dict) -> Path:
-    from draftsmith.heads.runtime.assets import cache_root
-    key = hashlib.sha256(json.dumps({k: conditions[k] for k in sorted(conditions) if k != "machine"},
-                                    sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "costs" / f"{stack}-{key}.json"
-
 
 def cost_table(target, drafter, batches=BATCHES, ks=KS, context: int = CONTEXT, refresh: bool = False,
                drafter_name: str = "") -> CostTable:

@@ -21,7 +21,7 @@ import random
 from dataclasses import asdict
 from pathlib import Path
 
-from .predict import COST_VERSION, CONTEXT, CostTable, cost_path
+from .costs import COST_VERSION, CONTEXT, CostTable, cost_path
 from .proposal import nondecreasing
 
 log = logging.getLogger(__name__)
