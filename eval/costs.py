@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 CONTEXT = 512             # cached tokens while a step is timed: a typical chat's
 COST_VERSION = 1
@@ -59,3 +62,27 @@ def cost_path(stack: str, conditions: dict) -> Path:
     key = hashlib.sha256(json.dumps({k: conditions[k] for k in sorted(conditions) if k != "machine"},
                                     sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "costs" / f"{stack}-{key}.json"
+
+
+def kept_table(path: Path, conditions: dict, batches, ks, refresh: bool = False) -> CostTable | None:
+    """The table kept at `path` when it was measured under `conditions` and covers `batches` x `ks`; else None,
+    with a one-line note of what differs (so the caller measures again)."""
+    if refresh or not path.is_file():
+        return None
+    table = CostTable.from_dict(json.loads(path.read_text()))
+    differs = table.matches(conditions)
+    wanted = set(batches) <= set(table.verify_ms) and all(set(ks) <= set(r) for r in table.verify_ms.values())
+    if not differs and wanted and table.version == COST_VERSION:
+        return table
+    log.warning("cost table %s was measured under other conditions (%s): measured again here", path,
+                "; ".join(differs) or "other batch sizes or draft lengths")
+    return None
+
+
+def keep_table(table: CostTable, path: Path) -> CostTable:
+    """Write `table` to `path` whole (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(asdict(table), indent=1))
+    tmp.replace(path)
+    return table

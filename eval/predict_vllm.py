@@ -14,17 +14,17 @@ the median over the engine steps in which all b requests were in flight and past
 the cost of a step does not depend on how many of its drafts were accepted."""
 from __future__ import annotations
 
-import json
-import logging
 import os
 import random
-from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
-from .costs import COST_VERSION, CONTEXT, CostTable, cost_path
+from .costs import CONTEXT, CostTable, cost_path, keep_table, kept_table
 from .proposal import nondecreasing
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from .bench_vllm import Worker
+
 
 NEW_TOKENS = 32            # decoding steps timed per request batch
 ROUNDS = 3                 # batches per (b, K), the plain engine's interleaved with each speculative one's
@@ -68,34 +68,44 @@ def vllm_cost_table(checkpoint: str, config: dict, target_path: str | None, batc
     version = vllm_version(python)
     if refusal := served_as.refuses(config, version):
         raise BenchError(refusal)
-    served = str(resolve_target_path(target_path or config["target"]["name"])[0])
     dtype = "bfloat16" if dtype == "auto" else dtype
     conditions = {"stack": f"vllm {version}", "target": config["target"]["weights_sha256"], "dtype": dtype,
-                  "drafter": f"{config['kind']} {config.get('weights_sha256', '?')}", "context": context}
-    conditions["machine"] = vllm_device(python)
+                  "drafter": f"{config['kind']} {config.get('weights_sha256', '?')}", "context": context,
+                  "machine": vllm_device(python)}
     path = cost_path("vllm", conditions)
-    if path.is_file() and not refresh:
-        kept = CostTable.from_dict(json.loads(path.read_text()))
-        differs = kept.matches(conditions)
-        wanted = set(batches) <= set(kept.verify_ms) and all(set(ks) <= set(r) for r in kept.verify_ms.values())
-        if not differs and wanted and kept.version == COST_VERSION:
-            return kept
-        log.warning("cost table %s was measured under other conditions (%s): measured again here", path,
-                    "; ".join(differs) or "other batch sizes or draft lengths")
+    if (kept := kept_table(path, conditions, batches, ks, refresh)) is not None:
+        return kept
     work = Path(out_dir) if out_dir is not None else path.parent / f"vllm-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(0)
-    vocab = int(config["target"]["vocab_size"])
-    longest = context + NEW_TOKENS + max(ks) + 16
+    drafter_dir = export(checkpoint, "vllm", work / "export-vllm", dtype=dtype, overwrite=True,
+                         target_path=target_path, device="cpu") if any(ks) else None
 
     def engine(k: int) -> Worker:
-        argv = ["--target", served, "--dtype", dtype, "--max-num-seqs", str(max(batches)), "--max-model-len",
-                str(longest)]
+        argv = ["--target", str(resolve_target_path(target_path or config["target"]["name"])[0]), "--dtype", dtype,
+                "--max-num-seqs", str(max(batches)), "--max-model-len", str(context + NEW_TOKENS + max(ks) + 16)]
         if k:
             argv += ["--method", served_as.method, "--drafter", str(drafter_dir), "--k", str(k)]
             if served_as.parallel_drafting:
                 argv.append("--parallel-drafting")
         return Worker(python, argv, work / f"vllm-k{k}.log")
+
+    timed = time_steps(engine, batches, ks, int(config["target"]["vocab_size"]), context)
+    verify: dict[int, dict[int, float]] = {}
+    for b in batches:
+        verify[b] = {}
+        for k in ks:
+            if (step := decode_step_ms(timed[b][k], b)) is None:
+                raise BenchError(f"vLLM never ran {b} requests at once past their first token (max_num_seqs "
+                                 f"{max(batches)}; its KV cache is VLLM_CPU_KVCACHE_SPACE GiB on a CPU): raise it")
+            verify[b][k] = step
+    return keep_table(CostTable(**conditions, verify_ms={b: nondecreasing(row) for b, row in verify.items()},
+                                draft_ms={b: {k: 0.0 for k in ks} for b in batches}), path)
+
+
+def time_steps(engine: Callable[[int], Worker], batches, ks, vocab: int, context: int) -> dict[int, dict[int, list]]:
+    """Every engine step's (seconds, requests in flight, requests decoding), by b and K: ROUNDS batches of b
+    random requests per (b, K), the plain engine's interleaved with each speculative engine's in turn."""
+    rng = random.Random(0)
 
     def steps(worker: Worker, b: int) -> list:
         requests = [{"id": f"cost-{b}-{i}", "prompt": [rng.randrange(vocab) for _ in range(context)],
@@ -104,8 +114,6 @@ def vllm_cost_table(checkpoint: str, config: dict, target_path: str | None, batc
                              "ignore_eos": True, "time_steps": True})
         return answer["steps"]
 
-    drafter_dir = export(checkpoint, "vllm", work / "export-vllm", dtype=dtype, overwrite=True,
-                         target_path=target_path, device="cpu") if any(ks) else None
     timed: dict[int, dict[int, list]] = {b: {k: [] for k in ks} for b in batches}
     plain = engine(0)
     try:
@@ -124,19 +132,4 @@ def vllm_cost_table(checkpoint: str, config: dict, target_path: str | None, batc
                     timed[b][0] += steps(plain, b)
     finally:
         plain.close()
-    verify: dict[int, dict[int, float]] = {}
-    for b in batches:
-        verify[b] = {}
-        for k in ks:
-            step = decode_step_ms(timed[b][k], b)
-            if step is None:
-                raise BenchError(f"vLLM never ran {b} requests at once past their first token (max_num_seqs "
-                                 f"{max(batches)}; its KV cache is VLLM_CPU_KVCACHE_SPACE GiB on a CPU): raise it")
-            verify[b][k] = step
-    verify = {b: nondecreasing(row) for b, row in verify.items()}
-    table = CostTable(**conditions, verify_ms=verify, draft_ms={b: {k: 0.0 for k in ks} for b in batches})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(table), indent=1))
-    tmp.replace(path)
-    return table
+    return timed
