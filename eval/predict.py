@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,10 +22,9 @@ import torch
 
 from draftsmith.heads.infra.device import synchronize
 
-from .costs import COST_VERSION, CONTEXT, CostTable, cost_path, machine_name
+from .costs import CONTEXT, CostTable, cost_path, keep_table, kept_table, machine_name
 from .proposal import measure_proposal, nondecreasing
 
-log = logging.getLogger(__name__)
 
 BATCHES = (1, 2, 4, 8, 16, 32)
 KS = tuple(range(9))
@@ -151,22 +148,11 @@ def cost_table(target, drafter, batches=BATCHES, ks=KS, context: int = CONTEXT, 
                   "target": target.identity.weights_sha256, "dtype": str(target.dtype).replace("torch.", ""),
                   "drafter": drafter_name, "context": context}
     path = cost_path("draftsmith", conditions)
-    if path.is_file() and not refresh:
-        table = CostTable.from_dict(json.loads(path.read_text()))
-        differs = table.matches(conditions)
-        wanted = set(batches) <= set(table.verify_ms) and all(set(ks) <= set(r) for r in table.verify_ms.values())
-        if not differs and wanted and table.version == COST_VERSION:
-            return table
-        log.warning("cost table %s was measured under other conditions (%s): measured again here", path,
-                    "; ".join(differs) or "other batch sizes or draft lengths")
+    if (kept := kept_table(path, conditions, batches, ks, refresh)) is not None:
+        return kept
     verify = measure_verify(target, batches, ks, context)
-    table = CostTable(**conditions, verify_ms=verify, draft_ms=measure_draft(target, drafter, batches, ks, context,
-                                                                            verify))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(table), indent=1))
-    tmp.replace(path)
-    return table
+    return keep_table(CostTable(**conditions, verify_ms=verify,
+                                draft_ms=measure_draft(target, drafter, batches, ks, context, verify)), path)
 
 
 @torch.no_grad()
@@ -255,6 +241,13 @@ def predict_report(checkpoint: str, out: Path, dtype: str = "auto", device: str 
                else f"the acceptance profile covers {deepest} positions")
         profile.notes.append(f"K above {deepest} left out: {why}")
         ks = tuple(k for k in ks if k <= deepest)
+    if engine == "vllm":
+        from draftsmith.heads.formats import formats_of
+        served_as = formats_of(config["kind"]).get("vllm")
+        if served_as is not None and served_as.whole_depth and set(ks) - {0, deepest}:
+            profile.notes.append(f"K = {deepest} only: vLLM drafts all {deepest} positions of a {config['kind']} "
+                                 "drafter each step, whatever K it is given")
+            ks = tuple(sorted({k for k in ks if k == 0} | {deepest}))
     weights = hashlib.sha256((Path(checkpoint) / "model.safetensors").read_bytes()).hexdigest()[:16] \
         if (Path(checkpoint) / "model.safetensors").is_file() else "?"
     if engine == "vllm":

@@ -55,6 +55,8 @@ class ExportFormat:
     refuses: Callable[[dict, str], str | None] = lambda config, version: None   # why a stack version cannot
     weights_file: str = ""         # the one file a reader takes ("": every .safetensors of the export)
     parallel_drafting: bool = False  # vLLM's speculative_config needs parallel_drafting: true (P-EAGLE)
+    whole_depth: bool = False        # the stack drafts every position the drafter has, whatever K it is given
+    #                                  (vLLM's Medusa: one token per head), so it serves K = the drafter's depth only
     stitch: Callable | None = None   # stitch(tensors {file: {name: tensor}}, target_dir): put the drafter into
     #                                  the target `export --with-target` wrote (a layer the target itself carries)
 

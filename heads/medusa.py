@@ -401,7 +401,7 @@ Medusa.formats = (
     ExportFormat("vllm", write_vllm, serve_vllm,
                  rules=((r"^blocks\.(\d+)\.(\d+)\.linear\.", r"blocks.\1.layers.\2."),),
                  read=_read_vllm, recognizes=lambda c: c.get("model_type") == "medusa", needs_target=shared_head,
-                 method="medusa", refuses=vllm_refuses),
+                 method="medusa", refuses=vllm_refuses, whole_depth=True),
     ExportFormat("medusa-original", write_original, serve_original,
                  rules=((r"^blocks\.(\d+)\.(\d+)\.linear\.", r"\1.\2.linear."),
                         (r"^lm_heads\.(\d+)\.weight$", r"\1.{num_layers}.weight")),

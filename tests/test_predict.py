@@ -124,6 +124,39 @@ def test_both_verbs_on_a_tiny_target(tiny_target, tiny_target_dir, tmp_path, mon
     assert all(v is None or 0 < v <= 1 for row in even.values() for v in row.values())
 
 
+def test_vllm_prices_a_medusa_drafter_at_its_head_count_only(tiny_target, tmp_path, monkeypatch, capsys):
+    """vLLM's Medusa drafts one token per head every step, whatever num_speculative_tokens says, so
+    `--predict --engine vllm` prices K = the head count (and plain decoding) only, and says why; the K it
+    writes into vLLM's speculative_config is one vLLM serves."""
+    from conftest import medusa_checkpoint
+    from draftsmith.cli import main
+    from draftsmith.eval import predict_vllm
+    from draftsmith.heads.card import LAST_EVAL_FILE
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    checkpoint = tmp_path / "medusa"
+    medusa_checkpoint(tiny_target, checkpoint, num_heads=3)
+    (checkpoint / LAST_EVAL_FILE).write_text(json.dumps({
+        "per_position_acceptance": [0.9, 0.8, 0.7], "proposal": "chain of 3", "temperature": 0.0,
+        "prompts": 5, "prompts_source": "mt-bench", "date": "2026-12-06"}))
+    priced = []
+
+    def whole_steps(checkpoint, config, target_path, batches, ks, *args, **kwargs):
+        priced.append(tuple(ks))
+        return CostTable(machine="m", stack="vllm 0.32.0", target="t", dtype="float32", drafter="medusa",
+                         context=512, verify_ms={b: {k: 10.0 + k for k in ks} for b in batches},
+                         draft_ms={b: {k: 0.0 for k in ks} for b in batches})
+    monkeypatch.setattr(predict_vllm, "vllm_cost_table", whole_steps)
+    assert main(["bench", str(checkpoint), "--predict", "--engine", "vllm", "--batch-sizes", "1,4", "--max-k", "8",
+                 "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path / "p")]) == 0
+    assert priced == [(0, 3)]
+    report = json.loads((tmp_path / "p" / "predict.json").read_text())
+    assert "K = 3 only: vLLM drafts all 3 positions of a medusa drafter" in " ".join(report["profile"]["notes"])
+    assert set(report["speedup"]["1"]) == {"0", "3"} and report["chosen_k"] == {"1": 3, "4": 3}
+    assert report["speculative_config"]["num_speculative_tokens"] == 3
+    assert report["speedup"]["1"]["3"] == pytest.approx((1 + 0.9 + 0.8 + 0.7) * 10 / 13)
+
+
 def test_a_checkpoint_of_another_target_is_refused(tiny_target, tmp_path, capsys, monkeypatch):
     from conftest import build_tiny_target, eagle3_checkpoint
     from draftsmith.cli import main
