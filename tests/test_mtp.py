@@ -111,7 +111,7 @@ def test_targets_without_readable_mtp_layers_are_refused_by_name(tiny_target, tm
     naming draftsmith does not know: the known ones listed."""
     from safetensors.torch import load_file, save_file
 
-    from draftsmith.heads import mtp
+    from draftsmith.heads import mtp_layout
 
     with pytest.raises(MtpError, match="ships no MTP layers.*method: eagle3"):
         Mtp(MtpConfig(), tiny_target)
@@ -130,7 +130,7 @@ def test_targets_without_readable_mtp_layers_are_refused_by_name(tiny_target, tm
     with pytest.raises(MtpError, match=r"hnorm\.weight in .*model\.safetensors has shape \[3\]; the target needs \[64\]"):
         Mtp(MtpConfig(), Target.load(str(directory), "float32", "cpu"))
     known = build_mtp_target(tmp_path / "glm", "glm4_moe")
-    monkeypatch.setattr(mtp, "MTP_NAMING", {"deepseek_v3": mtp.MTP_NAMING["deepseek_v3"]})
+    monkeypatch.setattr(mtp_layout, "MTP_NAMING", {"deepseek_v3": mtp_layout.MTP_NAMING["deepseek_v3"]})
     with pytest.raises(MtpError, match=r"does not know where a glm4_moe checkpoint keeps them; known MTP namings: "
                                        r"deepseek_v3"):
         Mtp(MtpConfig(), Target.load(str(known), "float32", "cpu"))
