@@ -297,6 +297,7 @@ def test_predict_check_through_vllm_prices_whole_steps_and_keeps_them(default_ru
     sys.path.insert(0, str(REPO / "scripts"))
     from predict_check import main
 
+    from draftsmith.cli import main as cli_main
     from draftsmith.eval import bench_vllm
     from draftsmith.eval.predict import predict_report
 
@@ -321,10 +322,14 @@ def test_predict_check_through_vllm_prices_whole_steps_and_keeps_them(default_ru
     def no_engine(*args, **kwargs):
         raise NoEngine
     monkeypatch.setattr(bench_vllm, "Worker", no_engine)
-    again = predict_report(checkpoint, tmp_path / "again", "float32", "cpu", None, (1, 2), (0, 1), engine="vllm",
-                           vllm_python=vllm_python)
+    # `draftsmith bench CKPT --predict --engine vllm`, as docs/bench.md gives it: the kept table, no engine
+    assert cli_main(["bench", checkpoint, "--predict", "--engine", "vllm", "--batch-sizes", "1,2", "--max-k", "1",
+                     "--device", "cpu", "--dtype", "float32", "--vllm-python", vllm_python,
+                     "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "predict.json").read_text())
     table = json.loads(kept[0].read_text())
-    assert json.loads(json.dumps(again["costs"]["verify_ms"])) == table["verify_ms"]
+    assert again["costs"]["verify_ms"] == table["verify_ms"] and again["costs"]["stack"] == "vllm 0.32.0"
+    assert "whole speculative steps timed in vLLM" in (tmp_path / "again" / "predict.md").read_text()
     kept[0].write_text(json.dumps({**table, "machine": "another machine"}))
     with caplog.at_level(logging.WARNING), pytest.raises(NoEngine):
         predict_report(checkpoint, tmp_path / "again", "float32", "cpu", None, (1, 2), (0, 1), engine="vllm",
