@@ -70,14 +70,15 @@ def cmd_predict(args) -> dict:
     out = Path(args.out)
     if args.predict:
         report = predict.predict_report(args.checkpoint, out, args.dtype, args.device, args.target, batches, ks,
-                                        args.refresh_costs, args.engine or "draftsmith", args.vllm_python)
+                                        args.refresh_costs, args.engine or "draftsmith", args.vllm_python,
+                                        args.cost_context)
         name = "predict"
     else:
         if (args.engine or "draftsmith") != "draftsmith":
             raise BenchError("--break-even prices steps in draftsmith's engine only (vLLM needs a drafter to export: "
                              "train one for a few steps and use --predict --engine vllm)")
         report = predict.break_even_report(args.checkpoint, out, args.kind, args.dtype, args.device, batches, ks,
-                                           args.refresh_costs)
+                                           args.refresh_costs, args.cost_context)
         name = "break-even"
     print(predict.markdown(report))
     print(f"wrote {out / (name + '.md')}, {out / (name + '.json')} and {out / (name + '.png')}")
@@ -102,6 +103,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="--predict/--break-even: batch sizes priced")
     p.add_argument("--max-k", type=int, default=8, help="--predict/--break-even: the largest K priced (clamped to "
                    "the drafter's depth, and said)")
+    p.add_argument("--cost-context", type=int, default=512, help="--predict/--break-even: the cached tokens each "
+                   "step is timed after; the length your requests hold while they decode (default 512)")
     p.add_argument("--refresh-costs", action="store_true", help="measure the step costs again even where this "
                    "machine's are kept")
     p.add_argument("--prompts", nargs="+", default=["mt-bench"], help="mt-bench (default), humaneval, or "

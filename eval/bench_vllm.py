@@ -122,6 +122,7 @@ def sweep_levels(serve, traffic: Traffic, settings: BenchSettings, progress=None
     concurrency, mode) and (temperature, concurrency)."""
     requests = [{"id": r.id, "prompt": r.prompt, "max_tokens": r.max_tokens} for r in traffic.requests]
     category = {r.id: r.category for r in traffic.requests}
+    prompt_tokens = {r.id: len(r.prompt) for r in traffic.requests}
     bar = progress(2 * len(requests) * settings.repeats * len(settings.temperatures) * len(settings.concurrency)) \
         if progress else None
     runs, counters, walls, complete = [], {}, {}, True
@@ -134,7 +135,8 @@ def sweep_levels(serve, traffic: Traffic, settings: BenchSettings, progress=None
                     for mode in order:
                         answer = serve(mode, requests, concurrency, temperature, settings.seed + 1000 * repeat)
                         level += [Run(r["id"], category[r["id"]], temperature, repeat, mode, r["seconds"],
-                                      r["first_token_seconds"], r["tokens"], [], concurrency) for r in answer["runs"]]
+                                      r["first_token_seconds"], r["tokens"], [], concurrency, prompt_tokens[r["id"]])
+                                  for r in answer["runs"]]
                         wall = walls.setdefault((temperature, concurrency, mode), [0, 0.0])
                         wall[0] += sum(len(r["tokens"]) for r in answer["runs"])
                         wall[1] += answer["wall"]

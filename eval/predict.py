@@ -219,12 +219,15 @@ def vllm_config(kind: str, choices: dict[int, int]) -> dict:
 
 def predict_report(checkpoint: str, out: Path, dtype: str = "auto", device: str = "auto", target_path=None,
                    batches=BATCHES, ks=KS, refresh: bool = False, engine: str = "draftsmith",
-                   vllm_python: str | None = None) -> dict:
+                   vllm_python: str | None = None, context: int = CONTEXT) -> dict:
     """`bench CKPT --predict`: S(b, K) for the checkpoint's drafter on this machine, the K chosen per batch
     size and vLLM's speculative_config for it (predict.json, predict.md, predict.png in `out`).  engine:
-    whose step costs price it, draftsmith's engine or vLLM's (eval/predict_vllm.py: whole steps)."""
+    whose step costs price it, draftsmith's engine or vLLM's (eval/predict_vllm.py: whole steps); context:
+    the cached tokens each step is timed after (the traffic's typical length while it decodes)."""
     if engine not in ("draftsmith", "vllm"):
         raise PredictError(f"--predict prices steps in draftsmith's engine or in vllm; got --engine {engine}")
+    if context < 1:
+        raise PredictError(f"--cost-context {context}: the cached tokens a step is timed after must be at least 1")
     from draftsmith.heads.drafter import checkpoint_target, load_drafter, read_config
     from draftsmith.heads.infra.device import resolve_device
     from draftsmith.heads.runtime.target import resolve_dtype
@@ -253,9 +256,10 @@ def predict_report(checkpoint: str, out: Path, dtype: str = "auto", device: str 
     if engine == "vllm":
         from .predict_vllm import vllm_cost_table
         costs = vllm_cost_table(str(checkpoint), config, target_path, batches, ks, dtype, vllm_python, refresh,
-                                out_dir=Path(out) / "vllm-costs")
+                                context=context, out_dir=Path(out) / "vllm-costs")
     else:
-        costs = cost_table(target, drafter, batches, ks, refresh=refresh, drafter_name=f"{config['kind']} {weights}")
+        costs = cost_table(target, drafter, batches, ks, context=context, refresh=refresh,
+                           drafter_name=f"{config['kind']} {weights}")
     table = speedups(profile.unconditional, costs)
     choices = choose(table)
     report = {"checkpoint": str(checkpoint), "kind": config["kind"], "profile": asdict(profile),
@@ -266,7 +270,7 @@ def predict_report(checkpoint: str, out: Path, dtype: str = "auto", device: str 
 
 
 def break_even_report(target_path: str, out: Path, kind: str = "eagle3", dtype: str = "auto", device: str = "auto",
-                      batches=BATCHES, ks=KS, refresh: bool = False) -> dict:
+                      batches=BATCHES, ks=KS, refresh: bool = False, context: int = CONTEXT) -> dict:
     """`bench TARGET --break-even`: the conditional acceptance a drafter of `kind` (the recipe defaults,
     untrained: its cost does not depend on its weights) would need at each batch size and K to pay."""
     from draftsmith.heads.infra.device import resolve_device
@@ -284,7 +288,8 @@ def break_even_report(target_path: str, out: Path, kind: str = "eagle3", dtype: 
     torch.manual_seed(0)
     drafter = kinds[kind](settings, target).to(target.device, target.dtype).eval()
     ks = tuple(k for k in ks if k <= drafter.draft_positions)
-    costs = cost_table(target, drafter, batches, ks, refresh=refresh, drafter_name=f"{kind} untrained (recipe defaults)")
+    costs = cost_table(target, drafter, batches, ks, context=context, refresh=refresh,
+                       drafter_name=f"{kind} untrained (recipe defaults)")
     report = {"target": target_path, "kind": kind, "costs": asdict(costs), "break_even": break_even(costs)}
     write_report(report, Path(out), "break-even")
     return report

@@ -2,7 +2,7 @@
 
     python scripts/predict_check.py OUT CHECKPOINT [CHECKPOINT ...] [--ks 1,2,4] [--prompts mt-bench]
         [--limit 2] [--max-new-tokens 96] [--repeats 2] [--dtype auto] [--engines draftsmith,vllm]
-        [--batch-sizes 1,4] [--vllm-python PY]
+        [--batch-sizes 1,4] [--cost-context 512] [--vllm-python PY]
 
 For each checkpoint and each engine of --engines, one after the other in one run:
 1. `bench CHECKPOINT --predict --engine E`: S(b, K) from its acceptance profile and the step costs
@@ -80,7 +80,8 @@ def check(checkpoint: str, out: Path, ks: list[int], args) -> list[dict]:
     for engine in args.engines:
         batches = (1,) if engine == "draftsmith" else tuple(args.batch_sizes)
         predicted = predict_report(checkpoint, out / f"predict-{engine}", args.dtype, "auto", None, batches,
-                                   tuple(range(max(ks) + 1)), engine=engine, vllm_python=args.vllm_python)
+                                   tuple(range(max(ks) + 1)), engine=engine, vllm_python=args.vllm_python,
+                                   context=args.cost_context)
         for k in ks:
             if k not in predicted["speedup"][min(batches)]:
                 print(f"{checkpoint}: K={k} not priced ({'; '.join(predicted['profile']['notes'])})", file=sys.stderr)
@@ -129,6 +130,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--engines", default="draftsmith", help="draftsmith, vllm, or draftsmith,vllm (one run)")
     parser.add_argument("--batch-sizes", default="1,4", help="vllm: the concurrency levels checked")
+    parser.add_argument("--cost-context", type=int, default=512, help="the cached tokens each step is timed after")
     parser.add_argument("--vllm-python", default=None)
     args = parser.parse_args(argv)
     args.engines = [e for e in args.engines.split(",") if e]

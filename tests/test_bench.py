@@ -224,3 +224,21 @@ def test_acceptance_by_context_length_counts_each_step_where_its_context_is():
         ("0-1k", 2, 2.5), ("1k-2k", 2, 3.0), ("2k-4k", 1, 1.0), ("8k+", 1, 1.0)]
     assert buckets[0]["per_position_acceptance"] == [1.0, 0.5, 0.0]
     assert buckets[1]["per_position_acceptance"] == [1.0, 0.5, 0.5]
+
+
+def test_the_serving_sweep_records_each_requests_prompt_length():
+    """vLLM's sweep keeps the prompt's length beside each run, as draftsmith's engine does: acceptance by
+    context and the traffic's own context (docs/bench.md, `--cost-context`) are read from it."""
+    from draftsmith.eval.bench_settings import BenchSettings
+    from draftsmith.eval.bench_vllm import sweep_levels
+    from draftsmith.eval.traffic import Request, Traffic
+
+    traffic = Traffic([Request("a", "writing", [1] * 7, 4), Request("b", "coding", [1] * 30, 4)], {})
+
+    def serve(mode, requests, concurrency, temperature, seed):
+        return {"runs": [{"id": r["id"], "seconds": 1.0, "first_token_seconds": 0.1, "tokens": [5, 6]}
+                         for r in requests], "wall": 1.0, "metrics": {}}
+
+    swept = sweep_levels(serve, traffic, BenchSettings(engine="vllm", concurrency=(1, 2), repeats=1))
+    assert len(swept["runs"]) == 8
+    assert {(r.request, r.prompt_tokens) for r in swept["runs"]} == {("a", 7), ("b", 30)}

@@ -117,6 +117,16 @@ def test_both_verbs_on_a_tiny_target(tiny_target, tiny_target_dir, tmp_path, mon
     assert main(argv + ["--out", str(tmp_path / "p4")]) == 0
     assert measured and "measured under other conditions (machine 'another machine'" in caplog.text
 
+    # another context is another condition: measured again, after that many cached tokens
+    contexts = []
+    monkeypatch.setattr(predict, "measure_verify", lambda target, batches, ks, context, **k:
+                        contexts.append(context) or {b: {q: 10.0 + q for q in ks} for b in batches})
+    assert main(argv + ["--cost-context", "64", "--out", str(tmp_path / "p5")]) == 0
+    assert contexts == [64] and json.loads((tmp_path / "p5" / "predict.json").read_text())["costs"]["context"] == 64
+    capsys.readouterr()
+    assert main(argv + ["--cost-context", "0", "--out", str(tmp_path / "p6")]) == 2
+    assert "--cost-context 0" in capsys.readouterr().err
+
     assert main(["bench", str(tiny_target_dir), "--break-even", "--batch-sizes", "1,4", "--max-k", "3",
                  "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path / "be")]) == 0
     even = json.loads((tmp_path / "be" / "break-even.json").read_text())["break_even"]
@@ -187,8 +197,10 @@ def test_the_predict_check_script_runs_as_its_usage_line_says(tiny_target, tmp_p
         "per_position_acceptance": [0.7, 0.4, 0.1], "proposal": "chain of 3", "temperature": 0.0}))
     prompts = chats_file(tmp_path / "p.jsonl", 2)
     assert main([str(tmp_path / "out"), str(checkpoint), "--ks", "1,2", "--prompts", str(prompts), "--limit", "1",
-                 "--max-new-tokens", "8", "--repeats", "1", "--dtype", "float32"]) == 0
+                 "--max-new-tokens", "8", "--repeats", "1", "--dtype", "float32", "--cost-context", "64"]) == 0
     rows = json.loads((tmp_path / "out" / "predict_check.json").read_text())
+    predicted = json.loads((tmp_path / "out" / "0-run" / "predict-draftsmith" / "predict.json").read_text())
+    assert predicted["costs"]["context"] == 64
     assert [r["k"] for r in rows] == [1, 2]
     for r in rows:
         bench = json.loads((tmp_path / "out" / "0-run" / f"bench-draftsmith-k{r['k']}" / "report.json").read_text())
