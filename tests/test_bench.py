@@ -227,8 +227,8 @@ def test_acceptance_by_context_length_counts_each_step_where_its_context_is():
 
 
 def test_the_serving_sweep_records_each_requests_prompt_length():
-    """vLLM's sweep keeps the prompt's length beside each run, as draftsmith's engine does: acceptance by
-    context and the traffic's own context (docs/bench.md, `--cost-context`) are read from it."""
+    """vLLM's sweep keeps the prompt's length beside each run, as draftsmith's engine does: the traffic's
+    own context (docs/bench.md, `--cost-context`) is read from it."""
     from draftsmith.eval.bench_settings import BenchSettings
     from draftsmith.eval.bench_vllm import sweep_levels
     from draftsmith.eval.traffic import Request, Traffic
