@@ -103,8 +103,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="--predict/--break-even: batch sizes priced")
     p.add_argument("--max-k", type=int, default=8, help="--predict/--break-even: the largest K priced (clamped to "
                    "the drafter's depth, and said)")
-    p.add_argument("--cost-context", type=int, default=512, help="--predict/--break-even: the cached tokens each "
-                   "step is timed after; the length your requests hold while they decode (default 512)")
+    p.add_argument("--cost-context", type=int, default=None, help="--predict/--break-even: the cached tokens each "
+                   "step is timed after; the length your requests hold while they decode (default: a typical chat's, "
+                   "docs/bench.md)")
     p.add_argument("--refresh-costs", action="store_true", help="measure the step costs again even where this "
                    "machine's are kept")
     p.add_argument("--prompts", nargs="+", default=["mt-bench"], help="mt-bench (default), humaneval, or "

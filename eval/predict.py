@@ -217,17 +217,25 @@ def vllm_config(kind: str, choices: dict[int, int]) -> dict:
     return config
 
 
+def cost_context(context: int | None) -> int:
+    """The cached tokens a step is timed after: `--cost-context`, else CONTEXT."""
+    if context is None:
+        return CONTEXT
+    if context < 1:
+        raise PredictError(f"--cost-context {context}: the cached tokens a step is timed after must be at least 1")
+    return context
+
+
 def predict_report(checkpoint: str, out: Path, dtype: str = "auto", device: str = "auto", target_path=None,
                    batches=BATCHES, ks=KS, refresh: bool = False, engine: str = "draftsmith",
-                   vllm_python: str | None = None, context: int = CONTEXT) -> dict:
+                   vllm_python: str | None = None, context: int | None = None) -> dict:
     """`bench CKPT --predict`: S(b, K) for the checkpoint's drafter on this machine, the K chosen per batch
     size and vLLM's speculative_config for it (predict.json, predict.md, predict.png in `out`).  engine:
     whose step costs price it, draftsmith's engine or vLLM's (eval/predict_vllm.py: whole steps); context:
-    the cached tokens each step is timed after (the traffic's typical length while it decodes)."""
+    the cached tokens each step is timed after (the traffic's typical length while it decodes; None: CONTEXT)."""
     if engine not in ("draftsmith", "vllm"):
         raise PredictError(f"--predict prices steps in draftsmith's engine or in vllm; got --engine {engine}")
-    if context < 1:
-        raise PredictError(f"--cost-context {context}: the cached tokens a step is timed after must be at least 1")
+    context = cost_context(context)
     from draftsmith.heads.drafter import checkpoint_target, load_drafter, read_config
     from draftsmith.heads.infra.device import resolve_device
     from draftsmith.heads.runtime.target import resolve_dtype
@@ -270,13 +278,14 @@ def predict_report(checkpoint: str, out: Path, dtype: str = "auto", device: str 
 
 
 def break_even_report(target_path: str, out: Path, kind: str = "eagle3", dtype: str = "auto", device: str = "auto",
-                      batches=BATCHES, ks=KS, refresh: bool = False, context: int = CONTEXT) -> dict:
+                      batches=BATCHES, ks=KS, refresh: bool = False, context: int | None = None) -> dict:
     """`bench TARGET --break-even`: the conditional acceptance a drafter of `kind` (the recipe defaults,
     untrained: its cost does not depend on its weights) would need at each batch size and K to pay."""
     from draftsmith.heads.infra.device import resolve_device
     from draftsmith.heads.registry import registry
     from draftsmith.heads.runtime.target import Target, resolve_dtype
 
+    context = cost_context(context)
     resolved = resolve_device(device)
     target = Target.load(target_path, resolve_dtype(dtype, resolved), resolved)
     kinds = registry()

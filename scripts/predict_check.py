@@ -2,7 +2,7 @@
 
     python scripts/predict_check.py OUT CHECKPOINT [CHECKPOINT ...] [--ks 1,2,4] [--prompts mt-bench]
         [--limit 2] [--max-new-tokens 96] [--repeats 2] [--dtype auto] [--engines draftsmith,vllm]
-        [--batch-sizes 1,4] [--cost-context 512] [--vllm-python PY]
+        [--batch-sizes 1,4] [--cost-context N] [--vllm-python PY]
 
 For each checkpoint and each engine of --engines, one after the other in one run:
 1. `bench CHECKPOINT --predict --engine E`: S(b, K) from its acceptance profile and the step costs
@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--engines", default="draftsmith", help="draftsmith, vllm, or draftsmith,vllm (one run)")
     parser.add_argument("--batch-sizes", default="1,4", help="vllm: the concurrency levels checked")
-    parser.add_argument("--cost-context", type=int, default=512, help="the cached tokens each step is timed after")
+    parser.add_argument("--cost-context", type=int, default=None, help="the cached tokens each step is timed after "
+                        "(default: bench --predict's)")
     parser.add_argument("--vllm-python", default=None)
     args = parser.parse_args(argv)
     args.engines = [e for e in args.engines.split(",") if e]

@@ -130,6 +130,8 @@ def test_both_verbs_on_a_tiny_target(tiny_target, tiny_target_dir, tmp_path, mon
     assert main(["bench", str(tiny_target_dir), "--break-even", "--batch-sizes", "1,4", "--max-k", "3",
                  "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path / "be")]) == 0
     even = json.loads((tmp_path / "be" / "break-even.json").read_text())["break_even"]
+    assert main(["bench", str(tiny_target_dir), "--break-even", "--cost-context", "0", "--out", str(tmp_path / "be0")]) == 2
+    assert "--cost-context 0" in capsys.readouterr().err
     assert set(even) == {"1", "4"} and set(even["1"]) == {"1", "2", "3"}
     assert all(v is None or 0 < v <= 1 for row in even.values() for v in row.values())
 

@@ -319,7 +319,10 @@ def test_predict_check_through_vllm_prices_whole_steps_and_keeps_them(default_ru
     class NoEngine(Exception):
         pass
 
-    def no_engine(*args, **kwargs):
+    started = []
+
+    def no_engine(python, argv, log):
+        started.append(argv)
         raise NoEngine
     monkeypatch.setattr(bench_vllm, "Worker", no_engine)
     # `draftsmith bench CKPT --predict --engine vllm`, as docs/bench.md gives it: the kept table, no engine
@@ -330,6 +333,14 @@ def test_predict_check_through_vllm_prices_whole_steps_and_keeps_them(default_ru
     table = json.loads(kept[0].read_text())
     assert again["costs"]["verify_ms"] == table["verify_ms"] and again["costs"]["stack"] == "vllm 0.32.0"
     assert "whole speculative steps timed in vLLM" in (tmp_path / "again" / "predict.md").read_text()
+    assert not started
+    # `--cost-context 160`, as docs/results gives it: another context is another table, so an engine is started,
+    # its context long enough for 160 cached tokens and no more
+    from draftsmith.eval.predict_vllm import NEW_TOKENS
+    assert cli_main(["bench", checkpoint, "--predict", "--engine", "vllm", "--batch-sizes", "1,2", "--max-k", "1",
+                     "--cost-context", "160", "--device", "cpu", "--dtype", "float32", "--vllm-python", vllm_python,
+                     "--out", str(tmp_path / "context")]) == 2
+    assert started and started[0][started[0].index("--max-model-len") + 1] == str(160 + NEW_TOKENS + 1 + 16)
     kept[0].write_text(json.dumps({**table, "machine": "another machine"}))
     with caplog.at_level(logging.WARNING), pytest.raises(NoEngine):
         predict_report(checkpoint, tmp_path / "again", "float32", "cpu", None, (1, 2), (0, 1), engine="vllm",
