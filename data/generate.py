@@ -164,11 +164,12 @@ def merge_rows(parts: list[tuple[EngineCache, torch.Tensor]], extra: int) -> Eng
             for store, mine in ((cache.keys, merged.keys), (cache.values, merged.values)):
                 if store[layer] is None:             # a recurrent layer: no keys or values
                     continue
-                old = store[layer][rows]                                             # [r, h, c, d]
+                old = store[layer][rows.to(store[layer].device)]                     # [r, h, c, d]
                 if mine[layer] is None:
                     b_h_d = (total, old.shape[1], merged.capacity, old.shape[3])
                     mine[layer] = old.new_zeros(b_h_d)
-                gathered = torch.gather(old, 2, index[:, None, :, None].expand(r, old.shape[1], length, old.shape[3]))
+                slots = index.to(old.device)[:, None, :, None].expand(r, old.shape[1], length, old.shape[3])
+                gathered = torch.gather(old, 2, slots)          # a spread target: on this layer's own device
                 mine[layer][dst, :, :length] = gathered
         start += r
     return merged

@@ -105,11 +105,12 @@ class Eagle(EagleDecoding, DrafterBase):
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
         """Predicted feature [..., H] -> [..., v] through the target's frozen head (draft rows only)."""
-        if self._head is None or self._head.device != feature.device:
-            weight = self.target.lm_head.weight.detach()
+        weight = self.target.lm_head.weight.detach()
+        if self._head is None or self._head.device != weight.device:
             full = self.draft_to_target.numel() == self.target.vocab_size
             self._head = weight if full else weight[self.draft_to_target.to(weight.device)]
-        return F.linear(feature.to(self._head.dtype), self._head)
+        # computed where the head is (the last device of a spread target), the logits back on the feature's
+        return F.linear(feature.to(self._head.device, self._head.dtype), self._head).to(feature.device)
 
     def _step(self, feature, tokens, positions, cache) -> torch.Tensor:
         """features [1, n, H], tokens [1, n] -> predicted next features [1, n, H]"""

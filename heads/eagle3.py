@@ -146,7 +146,8 @@ class Eagle3(EagleDecoding, DrafterBase):
     def set_draft_vocabulary(self, draft_to_target: torch.Tensor) -> None:
         """Scored tokens (ascending target ids); the lm_head restarts from the target's rows for them."""
         set_draft_map(self, draft_to_target)
-        rows = self.target.lm_head.weight.detach()[self.draft_to_target.to(self.target.device)]
+        head = self.target.lm_head.weight.detach()              # on the last device of a spread target
+        rows = head[self.draft_to_target.to(head.device)]
         self.lm_head.weight.data.copy_(rows.float().to(self.lm_head.weight.device))
 
     def _init_from_target(self) -> None:

@@ -193,8 +193,8 @@ class Medusa(DrafterBase):
         packed = self._decoding_head()
         if packed is not None:
             return packed(states)
-        weight = self._projection(0)
-        return torch.matmul(states.to(weight.dtype), weight.t())
+        weight = self._projection(0)                 # the target's head: the last device of a spread target
+        return torch.matmul(states.to(weight.device, weight.dtype), weight.t()).to(states.device)
 
     def _inputs(self, hidden: torch.Tensor, following: torch.Tensor | None) -> torch.Tensor:
         """[k, m, d]: head k's input, h_t plus the projected embeddings of the tokens it is conditioned on

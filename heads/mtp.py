@@ -152,7 +152,9 @@ class Mtp(EagleDecoding, DrafterBase):
     def _block(self, state, tokens, positions, attention_mask, **kwargs) -> torch.Tensor:
         embeds = self._embed(tokens, positions)
         rotary = getattr(self.target.decoder, "rotary_emb", None)
-        position_embeddings = rotary(embeds, position_ids=positions) if rotary is not None else None
+        position_embeddings = None
+        if rotary is not None:       # a spread target's rotary may sit on another device than this layer
+            position_embeddings = tuple(t.to(embeds.device) for t in rotary(embeds, position_ids=positions))
         return self.layer(embeds, state.to(embeds.dtype), position_embeddings=position_embeddings,
                           attention_mask=attention_mask, position_ids=positions, cache=None, **kwargs)
 

@@ -177,8 +177,8 @@ class EngineCache:
         if not contiguous:
             for layer in range(self.num_layers):
                 for store in (self.keys, self.values):
-                    if store[layer] is not None:
-                        store[layer][:, :, start:start + m] = store[layer][:, :, slots]
+                    if store[layer] is not None:     # a spread target: each layer's store on its own device
+                        store[layer][:, :, start:start + m] = store[layer][:, :, slots.to(store[layer].device)]
             self.positions[:, start:start + m] = self.positions[:, slots]
             self.valid[:, start:start + m] = self.valid[:, slots]
         self.truncate(start + m)
@@ -209,9 +209,9 @@ class EngineCache:
         for layer in range(self.num_layers):
             for store in (self.keys, self.values):
                 if store[layer] is not None:
-                    store[layer] = store[layer][rows]
-        self.valid = self.valid[rows]
-        self.positions = self.positions[rows]
+                    store[layer] = store[layer][rows.to(store[layer].device)]
+        self.valid = self.valid[rows.to(self.valid.device)]
+        self.positions = self.positions[rows.to(self.positions.device)]
         self.batch_size = int(rows.numel())
 
 

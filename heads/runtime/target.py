@@ -175,7 +175,9 @@ class Target:
             model = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=torch.float32 if packed else torch_dtype, attn_implementation=engine.ENGINE_ATTENTION,
                 trust_remote_code=trust_remote_code, local_files_only=True,
-                **({"device_map": device_map} if device_map else {}))
+                # transformers >= 5.20 swaps in hub kernels (remote code) on CUDA unless told not to: they
+                # would replace layers the engine reads (rotary) and fail offline; tests/test_gpu_shaped.py
+                use_kernels=False, **({"device_map": device_map} if device_map else {}))
         except (ValueError, KeyError) as err:
             raise TargetError(f"target '{path}' ({model_dir}) does not load as a causal LM: {err}") from err
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code, local_files_only=True)
@@ -323,12 +325,14 @@ class Target:
         out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=dummy_mask,
                            output_hidden_states=need_all, **recurrent, **{engine.CACHE_KWARG: cache})
         cache.end_block()
+        # The decoder is called directly, past the hook accelerate puts on the top-level model only: under a
+        # device_map its output is on the final norm's device; the logits go back to the caller's device.
         hidden = out.last_hidden_state
         result = None
         if logits == "all":
-            result = self.compute_logits(hidden).float()
+            result = self.compute_logits(hidden).float().to(input_ids.device)
         elif logits == "last":
-            result = self.compute_logits(hidden[:, -1:]).float()
+            result = self.compute_logits(hidden[:, -1:]).float().to(input_ids.device)
         return BlockOutput(logits=result, hidden_states=self._collect(out, layer_ids))
 
     @torch.no_grad()
