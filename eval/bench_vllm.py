@@ -44,6 +44,17 @@ def vllm_python(configured: str | None) -> str:
     raise BenchError(f"--engine vllm needs vLLM, and no vLLM environment was found. {SETUP}")
 
 
+ENGINES_AT_ONCE = 2
+"""vLLM engines alive at once on one device: bench keeps the plain and the speculative one, the cost tables
+the plain one and each speculative one in turn."""
+
+
+def engine_argv(target: str, dtype: str, max_num_seqs: int, max_model_len: int) -> list[str]:
+    """The worker arguments every engine of a bench or a cost table shares."""
+    return ["--target", str(target), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
+            "--max-model-len", str(max_model_len), "--engines-on-device", str(ENGINES_AT_ONCE)]
+
+
 class Worker:
     """One vLLM engine in its own process, asked one command at a time."""
 
@@ -182,8 +193,7 @@ def run_vllm(checkpoint: str, config: dict, target_path: str, settings: BenchSet
     traffic = load_traffic(AutoTokenizer.from_pretrained(served), settings.traffic, settings.limit, settings.seed,
                            settings.max_new_tokens, context, settings.long_prompts)
     longest = max(len(r.prompt) + r.max_tokens for r in traffic.requests)
-    common = ["--target", served, "--dtype", dtype, "--max-num-seqs", str(max(settings.concurrency)),
-              "--max-model-len", str(longest + settings.num_speculative_tokens + 16)]
+    common = engine_argv(served, dtype, max(settings.concurrency), longest + settings.num_speculative_tokens + 16)
     workers: dict[str, Worker] = {}
 
     def serve(mode: str, requests: list[dict], concurrency: int, temperature: float, seed: int) -> dict:

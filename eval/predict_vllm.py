@@ -58,7 +58,7 @@ def vllm_cost_table(checkpoint: str, config: dict, target_path: str | None, batc
     from draftsmith.heads.runtime.assets import resolve_target_path
 
     from .bench_settings import BenchError
-    from .bench_vllm import Worker, vllm_python as find_python, vllm_version
+    from .bench_vllm import Worker, engine_argv, vllm_python as find_python, vllm_version
 
     python = find_python(vllm_python)
     served_as = formats_of(config["kind"]).get("vllm")
@@ -81,8 +81,8 @@ def vllm_cost_table(checkpoint: str, config: dict, target_path: str | None, batc
                          target_path=target_path, device="cpu") if any(ks) else None
 
     def engine(k: int) -> Worker:
-        argv = ["--target", str(resolve_target_path(target_path or config["target"]["name"])[0]), "--dtype", dtype,
-                "--max-num-seqs", str(max(batches)), "--max-model-len", str(context + NEW_TOKENS + max(ks) + 16)]
+        argv = engine_argv(resolve_target_path(target_path or config["target"]["name"])[0], dtype, max(batches),
+                           context + NEW_TOKENS + max(ks) + 16)
         if k:
             argv += ["--method", served_as.method, "--drafter", str(drafter_dir), "--k", str(k)]
             if served_as.parallel_drafting:

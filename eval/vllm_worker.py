@@ -5,7 +5,10 @@ vLLM and the standard library. Two of these run side by side, one without the dr
 it, so the bench can interleave them; only one computes at a time.
 
     python vllm_worker.py --target DIR [--method medusa|eagle3 --drafter EXPORT [--parallel-drafting] | --method ngram] [--k 3]
-        --max-num-seqs 16
+        --max-num-seqs 16 [--engines-on-device 2]
+
+On a GPU each engine asks for the share of the card it needs (`gpu_memory_share`), so that the engines
+alive at once fit on one card, and keeps CUDA graphs on; on a CPU it runs eager.
 
 Protocol lines start with MARK (vLLM logs to stdout too). It prints {"ready": ...} once the engine is built and warm, then answers each command line
 {"requests": [{"id", "prompt": [token ids], "max_tokens"}], "concurrency": C, "temperature": T, "seed": S,
@@ -53,6 +56,57 @@ def device_name() -> str:
         pass
     import platform
     return f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+GIB = 1 << 30
+CARD_SHARE = 0.9          # what vLLM's own default takes of a card, shared here by every engine on it
+OVERHEAD_BYTES = 2 * GIB  # per engine: CUDA context, activations of the largest batch, CUDA graphs
+
+
+def weight_bytes(directory: str | None) -> int:
+    """The bytes of a model's safetensors files (what vLLM holds of it on the card)."""
+    if not directory or not os.path.isdir(directory):
+        return 0
+    return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory) if f.endswith(".safetensors"))
+
+
+def kv_bytes_per_token(target: str, dtype: str) -> int:
+    """Keys and values of one token over every layer, from the target's config.json."""
+    with open(os.path.join(target, "config.json")) as f:
+        config = json.load(f)
+    config = config.get("text_config", config)
+    heads = config.get("num_attention_heads", 1)
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    width = 4 if dtype in ("float32", "float") else 2
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * width
+
+
+def gpu_memory_share(args, card_bytes: int) -> float:
+    """The share of the card this engine asks vLLM for: its weights (target and drafter), the KV cache of
+    max_num_seqs sequences of max_model_len tokens, and OVERHEAD_BYTES, with a quarter more for headroom;
+    at most CARD_SHARE / engines_on_device, so that every engine started beside it fits too."""
+    need = (weight_bytes(args.target) + weight_bytes(args.drafter) + OVERHEAD_BYTES
+            + kv_bytes_per_token(args.target, args.dtype) * args.max_num_seqs * args.max_model_len)
+    budget = CARD_SHARE / args.engines_on_device
+    share = 1.25 * need / card_bytes
+    if need / card_bytes > budget:
+        raise SystemExit(f"{args.engines_on_device} vLLM engines share this GPU ({card_bytes / GIB:.0f} GiB) and this "
+                         f"one needs {need / GIB:.1f} GiB (weights, KV cache for {args.max_num_seqs} x "
+                         f"{args.max_model_len} tokens): more than its {budget:.2f} of the card; lower --concurrency "
+                         "or the traffic's longest request, or bench a smaller target")
+    return round(min(share, budget), 4)
+
+
+def engine_arguments(args, on_gpu: bool, card_bytes: int = 0) -> dict:
+    """LLM() arguments beside the model and speculative config.  On a GPU: CUDA graphs on (what a server
+    runs) and a memory share sized to what this engine needs (gpu_memory_share); on a CPU: eager, and the
+    KV cache from VLLM_CPU_KVCACHE_SPACE."""
+    options = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+               "seed": 0, "disable_log_stats": False, "enforce_eager": not on_gpu}
+    if on_gpu:
+        options["gpu_memory_utilization"] = gpu_memory_share(args, card_bytes)
+    return options
 
 
 def spec_counters(llm) -> dict:
@@ -143,6 +197,8 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--engines-on-device", type=int, default=1,
+                        help="engines alive at once on this device (bench keeps two): each takes its share")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     options = engine_options()
@@ -156,8 +212,14 @@ def main():
         speculative = {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.k}
         if args.parallel_drafting:
             speculative["parallel_drafting"] = True
-    llm = LLM(model=args.target, dtype=args.dtype, speculative_config=speculative, disable_log_stats=False,
-              max_model_len=args.max_model_len, enforce_eager=True, max_num_seqs=args.max_num_seqs, seed=0,
+    on_gpu, card_bytes = False, 0
+    try:
+        import torch  # optional: runs in the vLLM environment only
+        on_gpu = torch.cuda.is_available()
+        card_bytes = torch.cuda.mem_get_info()[1] if on_gpu else 0
+    except ImportError:
+        pass
+    llm = LLM(model=args.target, speculative_config=speculative, **engine_arguments(args, on_gpu, card_bytes),
               **options)
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(temperature=0.0, max_tokens=4),
                  use_tqdm=False)                                                     # warm-up

@@ -85,6 +85,18 @@ class Rotary(nn.Module):
                              rope_parameters=shape.rope_parameters)
         self.rotary = LlamaRotaryEmbedding(config)
 
+    def _apply(self, fn, recurse=True):
+        """Moves go through; a cast does not reach the frequencies.  `module.bfloat16()` (DeepSpeed's engine)
+        and `.to(bf16)` (eval) would round inv_freq to 8 bits, about a radian of angle on the fastest dimensions
+        at 500 tokens; DDP, FSDP and vLLM keep it fp32, and so does this (tests/test_gpu_shaped.py)."""
+        kept = dict(self.rotary.named_buffers())
+        super()._apply(fn, recurse)
+        for name, original in kept.items():
+            moved = self.rotary._buffers[name]
+            if moved is not None and moved.dtype != original.dtype:
+                self.rotary._buffers[name] = original.to(moved.device)
+        return self
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [b, n] -> cos, sin [b, n, d]"""
         return self.rotary(x, positions)

@@ -98,7 +98,9 @@ class Mtp(EagleDecoding, DrafterBase):
         if tensors is None and config.warm_start:
             tensors = shipped_tensors(target)[0]
         self.metadata: dict = {"mtp_layer": target.num_layers, "mtp_prefix": prefix, "warm_start": config.warm_start}
-        self.layer = build_block(target, tensors, prefix).to(target.device, target.dtype)
+        # fp32 master weights, whatever the target's dtype (bf16 Adam at lr 5e-5 rounds most updates away);
+        # trained under autocast like every other drafter, cast to the target's dtype by eval
+        self.layer = build_block(target, tensors, prefix).to(target.device, torch.float32)
         self.layer.requires_grad_(True)
         add_draft_vocabulary(self, target.vocab_size, target.vocab_size)
         self.tree = TreeSettings(**config.tree)

@@ -7,6 +7,9 @@ proposals all run through it, and give the tokens the same target gives on one d
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -141,3 +144,145 @@ def test_mtp_proposals_over_a_spread_target(tmp_path):
             speculative = decode(target, prompt, 16, drafter=drafter)
             assert speculative.tokens == plain.tokens == decode(single, prompt, 16).tokens
             assert speculative.accepted == decode(single, prompt, 16, drafter=reference).accepted
+
+
+# -- vLLM on one card ------------------------------------------------------------------------------------------
+
+STUB_VLLM = '''"""A stand-in for vLLM (tests/test_gpu_shaped.py): records each LLM(**kwargs), serves nothing."""
+import json
+from pathlib import Path
+import os
+
+__version__ = "stub"
+if os.environ.get("STUB_VLLM_GPU_BYTES"):          # the worker asks torch about its device after importing vLLM
+    import torch
+    total = int(os.environ["STUB_VLLM_GPU_BYTES"])
+    torch.cuda.is_available = lambda: True
+    torch.cuda.mem_get_info = lambda device=None: (total, total)
+    torch.cuda.get_device_name = lambda device=None: "stub GPU"
+
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+class LLM:
+    def __init__(self, **kwargs):
+        with open(os.environ["STUB_VLLM_RECORD"], "a") as f:
+            f.write(json.dumps(kwargs, default=str) + "\\n")
+
+    def generate(self, *args, **kwargs):
+        return []
+'''
+
+
+def start_stub_engines(tmp_path, monkeypatch, target_dir, card_bytes: int | None) -> list[dict]:
+    """Start the two engines bench keeps alive (the plain one and a speculative one) as bench starts them,
+    against the stub vLLM; what each asked LLM() for."""
+    import sys
+
+    from draftsmith.eval.bench_vllm import Worker, engine_argv
+
+    (tmp_path / "stub" / "vllm").mkdir(parents=True)
+    (tmp_path / "stub" / "vllm" / "__init__.py").write_text(STUB_VLLM)
+    record = tmp_path / "llm.jsonl"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "stub"))
+    monkeypatch.setenv("STUB_VLLM_RECORD", str(record))
+    if card_bytes:
+        monkeypatch.setenv("STUB_VLLM_GPU_BYTES", str(card_bytes))
+    argv = engine_argv(target_dir, "bfloat16", 16, 4096)
+    workers = []
+    try:
+        workers.append(Worker(sys.executable, argv, tmp_path / "plain.log"))
+        workers.append(Worker(sys.executable, argv + ["--method", "ngram", "--k", "3"], tmp_path / "spec.log"))
+    finally:
+        for worker in workers:
+            worker.close()
+    return [json.loads(line) for line in record.read_text().splitlines()]
+
+
+def test_two_vllm_engines_share_one_gpu_with_cuda_graphs_on(tmp_path, monkeypatch, tiny_target_dir):
+    """On an 80 GiB card the two engines bench keeps alive ask for shares that fit together (vLLM refuses a
+    second engine whose share is not free), each sized to its weights, KV cache and overhead, with CUDA
+    graphs on.  Before: no share was passed (vLLM's default 0.9 each) and enforce_eager was always on."""
+    calls = start_stub_engines(tmp_path, monkeypatch, tiny_target_dir, card_bytes=80 << 30)
+    assert len(calls) == 2
+    shares = [call["gpu_memory_utilization"] for call in calls]
+    assert sum(shares) <= 0.9 and all(0 < s < 0.45 for s in shares), shares
+    assert not any(call["enforce_eager"] for call in calls)
+
+
+def test_an_engine_that_cannot_fit_beside_another_is_refused_by_name(tmp_path, monkeypatch, tiny_target_dir):
+    """A 3 GiB card cannot hold two engines of 2 GiB overhead each: the worker says so, with the numbers."""
+    from draftsmith.eval.bench_settings import BenchError
+
+    with pytest.raises(BenchError, match=r"2 vLLM engines share this GPU \(3 GiB\).*lower --concurrency"):
+        start_stub_engines(tmp_path, monkeypatch, tiny_target_dir, card_bytes=3 << 30)
+
+
+def test_on_a_cpu_vllm_engines_run_eager_without_a_gpu_share(tmp_path, monkeypatch, tiny_target_dir):
+    calls = start_stub_engines(tmp_path, monkeypatch, tiny_target_dir, card_bytes=None)
+    assert [call["enforce_eager"] for call in calls] == [True, True]
+    assert not any("gpu_memory_utilization" in call for call in calls)
+
+
+# -- dtypes: fp32 master weights and fp32 rotary frequencies under every cast ------------------------------
+
+AUDITED = {"medusa": {"num_heads": 2}, "medusa2": {"num_heads": 2}, "eagle": {},
+           "eagle3": {"layer_ids": [1, 1, 2], "draft_vocab_size": 40},
+           "p_eagle": {"layer_ids": [1, 1, 2], "draft_vocab_size": 40},
+           "dflash": {"layer_ids": [1, 2], "draft_vocab_size": 40, "num_layers": 2}}
+
+
+def floating_buffers(module) -> dict[str, torch.Tensor]:
+    return {name: b.detach().clone() for name, b in module.named_buffers() if b.is_floating_point()}
+
+
+@pytest.fixture(scope="module")
+def bf16_target(tiny_target_dir):
+    return Target.load(str(tiny_target_dir), "bfloat16", "cpu")
+
+
+@pytest.mark.parametrize("kind", sorted(AUDITED))
+@pytest.mark.parametrize("cast", ["to(bfloat16)", "bfloat16()"])
+def test_every_drafter_keeps_fp32_weights_and_rotary_buffers(bf16_target, kind, cast):
+    """Beside a bf16 target every drafter's trainable parameters are fp32 (the master weights), and after
+    eval's `.to(target.dtype)` or DeepSpeed's `module.bfloat16()` its floating buffers (rotary inv_freq)
+    keep their dtype and values.  Before: inv_freq became bf16 (EAGLE, EAGLE-3, P-EAGLE, DFlash)."""
+    cls = registry()[kind]
+    drafter = cls(cls.config_class(**AUDITED[kind]), bf16_target)
+    trainable = {n: p.dtype for n, p in drafter.named_parameters() if p.requires_grad}
+    assert trainable and set(trainable.values()) == {torch.float32}, trainable
+    before = floating_buffers(drafter)
+    drafter = drafter.to(torch.bfloat16) if cast == "to(bfloat16)" else drafter.bfloat16()
+    after = floating_buffers(drafter)
+    assert before.keys() == after.keys()
+    for name in before:
+        assert after[name].dtype == before[name].dtype and torch.equal(after[name], before[name]), name
+
+
+def test_mtp_trains_fp32_master_weights_that_an_adamw_step_at_the_recipes_lr_changes(tmp_path):
+    """The MTP layer beside a bf16 target, one AdamW step at the shipped GLM-4.5-Air recipe's lr (5e-5) under
+    bf16 autocast, as the training loop runs it: nearly every element with a gradient moves.  Before: the
+    layer was bf16 with bf16 moments, and most updates rounded away."""
+    from draftsmith.heads.mtp import Mtp, MtpConfig
+    from draftsmith.train.settings import load_recipe
+
+    lr = load_recipe(Path(__file__).parents[1] / "recipes" / "mtp-glm-4.5-air.yaml").train.lr
+    target = Target.load(str(build_mtp_target(tmp_path / "mtp", "deepseek_v3")), "bfloat16", "cpu")
+    drafter = Mtp(MtpConfig(), target).train()
+    ids = torch.randint(3, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    batch["features"] = target.features(ids, batch["attention_mask"], drafter.required_layers)
+    before = {n: p.detach().clone() for n, p in drafter.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = drafter.loss(batch).loss
+    loss.backward()
+    with_grad = {n for n, p in drafter.named_parameters() if p.grad is not None and bool(p.grad.abs().sum() > 0)}
+    optimizer.step()
+    moved = sum(int((p.detach() != before[n]).sum()) for n, p in drafter.named_parameters() if n in with_grad)
+    total = sum(before[n].numel() for n in with_grad)
+    assert total and moved / total > 0.95, f"{moved} of {total} elements moved"
+    assert {p.dtype for p in drafter.parameters() if p.requires_grad} == {torch.float32}
