@@ -286,3 +286,22 @@ def test_mtp_trains_fp32_master_weights_that_an_adamw_step_at_the_recipes_lr_cha
     total = sum(before[n].numel() for n in with_grad)
     assert total and moved / total > 0.95, f"{moved} of {total} elements moved"
     assert {p.dtype for p in drafter.parameters() if p.requires_grad} == {torch.float32}
+
+
+# -- exact resume: every device's CUDA generator -----------------------------------------------------------
+
+def test_resume_state_saves_and_restores_every_cuda_generator(tmp_path):
+    """The rank state a checkpoint writes holds each CUDA device's generator, and resuming puts each back (on a
+    mocked two-GPU torch.cuda).  Before: only torch.get_rng_state() was saved, so EAGLE-1's feature noise and
+    DFlash's anchors drew differently after a resume on a GPU."""
+    from draftsmith.train.checkpointing import load_state_file, rank_rng_state, restore_rank_rng
+
+    with TwoDevices() as mode:
+        for device, seed in ((0, 11), (1, 12)):
+            torch.cuda.set_rng_state(torch.Generator().manual_seed(seed).get_state(), device)
+        torch.save(rank_rng_state(), tmp_path / "rng-0.pt")
+        saved = [mode.rng_states[i].clone() for i in (0, 1)]
+        torch.cuda.set_rng_state_all([torch.Generator().manual_seed(99).get_state()] * 2)    # drawn on after saving
+        restore_rank_rng(load_state_file(tmp_path / "rng-0.pt"))
+        assert all(torch.equal(mode.rng_states[i], saved[i]) for i in (0, 1))
+        assert not torch.equal(saved[0], saved[1])

@@ -73,7 +73,7 @@ def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimiz
     accelerator.wait_for_everyone()
     drafter = accelerator.unwrap_model(model)
     tmp = directory.with_name(directory.name + ".tmp")
-    rank_state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    rank_state = rank_rng_state()
     weights = accelerator.get_state_dict(model)             # every rank takes part under FSDP / ZeRO-3
     sharding = sharding_of(accelerator)
     optimizer_state = _full_optimizer_state(model, optimizer) if sharding == "fsdp" else None
@@ -99,8 +99,7 @@ def save_checkpoint(directory: Path, recipe: Recipe, accelerator, model, optimiz
                                "(resume=true continues from the last checkpoint written)") from None
     accelerator.wait_for_everyone()
     (tmp / "state").mkdir(parents=True, exist_ok=True)      # rank 0 made it (output_dir is shared: launch_checks)
-    torch.save({"torch": rank_state["torch"], "python": _python_state(rank_state["python"])},
-               tmp / "state" / f"rng-{accelerator.process_index}.pt")
+    torch.save(rank_state, tmp / "state" / f"rng-{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         swap_directory(tmp, directory)
@@ -253,8 +252,27 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
     scheduler.load_state_dict(json.loads((found / "state" / "scheduler.json").read_text()))
     rng_file = found / "state" / f"rng-{accelerator.process_index}.pt"
     if rng_file.is_file():
-        rng = load_state_file(rng_file)
-        torch.set_rng_state(rng["torch"])
-        version, internal, gauss = rng["python"]
-        random.setstate((version, tuple(internal), gauss))
+        restore_rank_rng(load_state_file(rng_file))
     return progress
+
+
+def rank_rng_state() -> dict:
+    """This process's random state: the CPU generator, Python's, and every CUDA device's (EAGLE-1's feature
+    noise and DFlash's anchors draw from the CUDA generator when the drafter trains on a GPU)."""
+    return {"torch": torch.get_rng_state(), "python": _python_state(random.getstate()),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def restore_rank_rng(state: dict) -> None:
+    """Put back what rank_rng_state() saved; CUDA states only onto as many devices as were saved, with a
+    warning when the device count differs (the run goes on, but not bit for bit)."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    saved = list(state.get("cuda") or [])
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if saved and here == len(saved):
+        torch.cuda.set_rng_state_all(saved)
+    elif saved or here:
+        log.warning("the checkpoint holds the random state of %d CUDA device(s) and this process sees %d: "
+                    "resumed, but the random draws after it differ from an uninterrupted run", len(saved), here)
