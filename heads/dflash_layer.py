@@ -6,10 +6,9 @@ Shape notation: b batch, n block tokens, m context positions, H hidden, d head d
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.heads.eagle_layer import MLP, RMSNorm, rotate
+from draftsmith.heads.eagle_layer import MLP, RMSNorm, masked_attention, rotate
 from draftsmith.heads.formats import VOCABULARY
 
 
@@ -45,11 +44,7 @@ class BlockAttention(nn.Module):
         q, k = rotate(q, k, cos, sin)
         keys = torch.cat([context_kv[0], k], dim=2)
         values = torch.cat([context_kv[1], self._heads(self.v_proj(x))], dim=2)
-        # fp32 on CPU: the masked kernel's bf16 backward is several times slower there (heads/eagle_layer.py)
-        compute = torch.float32 if q.device.type == "cpu" else q.dtype
-        with torch.autocast(q.device.type, enabled=False):
-            out = F.scaled_dot_product_attention(q.to(compute), keys.to(compute), values.to(compute), attn_mask=mask,
-                                                 enable_gqa=self.shape.num_heads != self.shape.num_kv_heads)
+        out = masked_attention(q, keys, values, mask)          # the fused-kernel rule (heads/eagle_layer.py)
         return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(*x.shape[:2], -1))
 
 

@@ -102,6 +102,34 @@ class Rotary(nn.Module):
         return self.rotary(x, positions)
 
 
+KERNEL_DEVICE: str | None = None
+"""Force the attention rule of one device type ("cuda", "cpu") whatever the tensors' device: a test runs the
+CUDA rule on the CPU (tests/test_gpu_shaped.py).  None: the rule of the tensors' own device."""
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Training attention with a boolean mask: q [b, h, n, d], k and v [b, hk, m, d] -> [b, h, n, d] in q's dtype.
+
+    On CUDA in the training dtype, in a form a fused kernel takes: flash attention refuses any mask and the
+    memory-efficient kernel refuses `enable_gqa`, so with a mask the keys and values are repeated to the query
+    heads (with `enable_gqa` SDPA would fall back to the math kernel, which holds fp32 scores [b, h, n, m]).
+    On the CPU in fp32 with `enable_gqa`: the masked kernel's bf16 backward is 4-6x slower there (b=8,
+    s=400, measured: 2.5-3.4 s against 0.35-0.8 s per step).  train's memory probe runs this same function,
+    so its estimate follows the rule that runs."""
+    rule = KERNEL_DEVICE or q.device.type
+    groups = q.shape[1] // k.shape[1]
+    with torch.autocast(q.device.type, enabled=False):
+        if rule == "cpu":
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                 enable_gqa=groups > 1)
+        else:
+            if groups > 1 and mask is not None:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)   # [b, h, m, d]
+            out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                                 enable_gqa=groups > 1 and mask is None)
+    return out.to(q.dtype)
+
+
 def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     return apply_rotary_pos_emb(q, k, cos, sin)
 
@@ -160,17 +188,10 @@ class DraftAttention(nn.Module):
         returns the output [b, s, H] and this step's (k, v)."""
         q, k, v = self._qkv(x, cos, sin)
         past = [*past, (k, v)]
-        grouped = self.shape.num_heads != self.shape.num_kv_heads
-        # On CPU the masked kernel's bf16 backward is 4-6x slower than its fp32 one (b=8, s=400, measured:
-        # 2.5-3.4 s against 0.35-0.8 s per step), so there it runs in fp32; on a GPU in the training dtype.
-        compute = torch.float32 if q.device.type == "cpu" else q.dtype
         s = x.shape[1]
-        with torch.autocast(q.device.type, enabled=False):
-            out = torch.cat([
-                F.scaled_dot_product_attention(q[:, :, a:e].to(compute), *block_keys(past, a, e, compute),
-                                               attn_mask=block_visibility(key_valid, a, e, len(past) - 1),
-                                               enable_gqa=grouped)
-                for a, e in query_blocks(s)], dim=2).to(q.dtype)                              # [b, h, s, d]
+        out = torch.cat([masked_attention(q[:, :, a:e], *block_keys(past, a, e, q.dtype),
+                                          block_visibility(key_valid, a, e, len(past) - 1))
+                         for a, e in query_blocks(s)], dim=2)                                  # [b, h, s, d]
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], s, -1)), k, v       # [b, s, H]
 
 

@@ -305,3 +305,50 @@ def test_resume_state_saves_and_restores_every_cuda_generator(tmp_path):
         restore_rank_rng(load_state_file(tmp_path / "rng-0.pt"))
         assert all(torch.equal(mode.rng_states[i], saved[i]) for i in (0, 1))
         assert not torch.equal(saved[0], saved[1])
+
+
+# -- training attention in a form a fused CUDA kernel takes ------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["eagle3", "p_eagle", "dflash"])
+def test_masked_training_attention_takes_a_fused_kernel_form_under_the_cuda_rule(tiny_target, monkeypatch, kind):
+    """Under the CUDA rule (forced on the CPU) every masked SDPA call of the training-time test (EAGLE-3,
+    P-EAGLE) and of DFlash's block has as many key heads as query heads and no enable_gqa (flash refuses a
+    mask, the memory-efficient kernel refuses enable_gqa: with both SDPA falls back to the math kernel), and
+    the loss and gradients are the CPU rule's.  Before: enable_gqa with a mask on every device."""
+    import torch.nn.functional as F
+
+    from draftsmith.heads import eagle_layer
+
+    cls = registry()[kind]
+    settings = {"eagle3": {"layer_ids": [1, 1, 2], "draft_vocab_size": 40},
+                "p_eagle": {"layer_ids": [1, 1, 2], "draft_vocab_size": 40},
+                "dflash": {"layer_ids": [1, 2], "draft_vocab_size": 40, "num_layers": 2}}[kind]
+    torch.manual_seed(0)
+    drafter = cls(cls.config_class(**settings), tiny_target)
+    assert tiny_target.config.num_key_value_heads < tiny_target.config.num_attention_heads   # grouped heads
+    ids = torch.randint(3, tiny_target.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    batch["features"] = tiny_target.features(ids, batch["attention_mask"], drafter.required_layers)
+
+    def loss_and_grads():
+        drafter.zero_grad()
+        torch.manual_seed(1)                      # DFlash draws its anchors
+        loss = drafter.loss(batch).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
+
+    cpu_loss, cpu_grads = loss_and_grads()
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        calls.append((q.shape[1], k.shape[1], attn_mask is not None, kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(eagle_layer, "KERNEL_DEVICE", "cuda")
+    cuda_loss, cuda_grads = loss_and_grads()
+    masked = [c for c in calls if c[2]]
+    assert masked and all(q_heads == k_heads and not gqa for q_heads, k_heads, _, gqa in masked), calls
+    assert torch.allclose(cuda_loss, cpu_loss, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(cuda_grads, cpu_grads))
