@@ -229,6 +229,7 @@ def make_data(target: Target, settings: DataSettings, out_dir: Path, seed: int, 
         run.with_transformers(todo)
     capped = deadline is not None and time.time() > deadline
     bar.close(counts)
+    bar.wait_for_ranks()               # as long as the slowest rank works (its heartbeat fresh), naming it
     launch.barrier()                   # every rank's shards are written
     if capped:
         _report_cap(out_dir, settings)

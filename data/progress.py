@@ -12,7 +12,9 @@ left to the cap (not to the end of the source, which a capped run never reaches)
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +28,8 @@ from tqdm import tqdm
 
 from draftsmith.heads.infra.files import DirectoryLock, StorageError, write_atomic
 from draftsmith.heads.infra.launch_checks import check_launch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,6 +53,8 @@ def launch_from_environment() -> tuple[int, int, int]:
 
 
 WRITE_EVERY = 2.0      # seconds between a rank's progress files
+HEARTBEAT_SECONDS = 30.0
+STALE_MINUTES = 15.0   # a rank whose heartbeat is older than this is taken for dead (wait_for_ranks)
 
 
 class Progress:
@@ -66,7 +72,11 @@ class Progress:
                         disable=not (enabled and launch.main),
                         bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} conv [{elapsed}{postfix}]")
         self.total = total
+        self.done = False
         self._write(time.time())          # this run's counts replace an earlier run's file at once
+        self._beating = threading.Event()
+        if launch.world > 1:
+            threading.Thread(target=self._heartbeat, daemon=True, name="data-heartbeat").start()
 
     def update(self, conversations: int = 0, tokens: int = 0) -> None:
         self.conversations += conversations
@@ -79,7 +89,7 @@ class Progress:
         self.written = now
         write_atomic(self.dir / f"rank-{self.launch.rank}.json",
                      json.dumps({"conversations": self.conversations, "tokens": self.tokens,
-                                 "seconds": now - self.start, "counts": self.counts}))
+                                 "seconds": now - self.start, "counts": self.counts, "done": self.done}))
         if self.launch.main:
             self._show(now)
 
@@ -114,10 +124,55 @@ class Progress:
         self.bar.set_postfix_str(note.lstrip(", "), refresh=True)
 
     def close(self, counts: dict) -> None:
-        """The final counts of this rank (read back by the main rank: `totals`)."""
+        """The final counts of this rank (read back by the main rank: `totals`); its work is done."""
         self.counts = dict(counts)
+        self.done = True
         self._write(time.time())
+        self._beating.set()
         self.bar.close()
+
+    def _heartbeat(self) -> None:
+        """While this rank works, its heartbeat file is touched every HEARTBEAT_SECONDS (from a thread, so a
+        long feature pass that reports no conversations still shows the rank alive)."""
+        path = self.dir / f"alive-{self.launch.rank}"
+        while not self._beating.wait(0 if not path.exists() else HEARTBEAT_SECONDS):
+            path.touch()
+
+    def wait_for_ranks(self, stale_minutes: float = STALE_MINUTES, poll: float = 5.0) -> None:
+        """Wait, before the launch's barrier, until every rank has written its shards: as long as the slowest
+        rank's remaining work takes, while its heartbeat is fresh (the process-group timeout would end a
+        rerun in which one rank still has hours of shards left).  Every few minutes it logs which ranks it
+        waits for and how far each is; a rank whose heartbeat is older than `stale_minutes` is named in the
+        error."""
+        said = time.time()
+        while True:
+            waiting = [r for r in range(self.launch.world) if not self._rank_file(r).get("done")]
+            if not waiting:
+                return
+            now = time.time()
+            stale = [r for r in waiting if now - self._heartbeat_time(r) > stale_minutes * 60]
+            if stale:
+                raise RuntimeError(
+                    f"data: rank(s) {stale} gave no sign of life for more than {stale_minutes:g} minutes (their "
+                    f"heartbeat in {self.dir}) before finishing their shards; the others have finished and wait. "
+                    "Look at those ranks' logs; the shards written are kept, and a rerun makes only the rest")
+            if now - said >= 300:
+                log.info("data: waiting for rank(s) %s: %s", waiting, ", ".join(
+                    f"rank {r} {self._rank_file(r).get('conversations', 0)} conversations" for r in waiting))
+                said = now
+            time.sleep(poll)
+
+    def _rank_file(self, rank: int) -> dict:
+        try:
+            return json.loads((self.dir / f"rank-{rank}.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _heartbeat_time(self, rank: int) -> float:
+        try:
+            return (self.dir / f"alive-{rank}").stat().st_mtime
+        except OSError:
+            return self.start                # not started yet: counted from when this rank began waiting
 
     def totals(self) -> dict:
         """Every rank's final counts, summed (the main rank, after the ranks' barrier)."""

@@ -23,6 +23,7 @@ import os
 import torch
 
 from draftsmith.heads.runtime.assets import resolve_target_path
+from draftsmith.heads.runtime.target import resolve_dtype
 
 from .generate import Generation
 
@@ -126,7 +127,7 @@ class Engine:
                  "CPU KV cache %s GB" % os.environ["VLLM_CPU_KVCACHE_SPACE"] if on_cpu else
                  f"GPUs {gpus}, gpu_memory_utilization {self.settings['gpu_memory_utilization']}, "
                  f"tensor_parallel_size {self.settings['tensor_parallel_size']}")
-        self.llm = LLM(model=str(model_dir), dtype=str(target.dtype).replace("torch.", ""),
+        self.llm = LLM(model=str(model_dir), dtype=engine_dtype(target, on_gpu=not on_cpu),
                        max_model_len=self.max_len, seed=0, enforce_eager=on_cpu, **options)
         self.stops = list(target.eos_token_ids)
 
@@ -169,6 +170,15 @@ class Engine:
                 torch.cuda.empty_cache()
         except Exception:  # noqa: BLE001
             pass
+
+
+def engine_dtype(target, on_gpu: bool) -> str:
+    """The dtype vLLM computes in.  On a GPU, the target's dtype setting resolved for the GPU ('auto': bf16
+    where it has it): the target held beside the engine is loaded on the CPU (embedding and lm_head), whose
+    own dtype is the host CPU's choice.  On a CPU, that target's dtype."""
+    if on_gpu:
+        return str(resolve_dtype(target.dtype_setting, "cuda")).replace("torch.", "")
+    return str(target.dtype).replace("torch.", "")
 
 
 def _device_type() -> str:

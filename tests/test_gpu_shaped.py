@@ -352,3 +352,71 @@ def test_masked_training_attention_takes_a_fused_kernel_form_under_the_cuda_rule
     assert masked and all(q_heads == k_heads and not gqa for q_heads, k_heads, _, gqa in masked), calls
     assert torch.allclose(cuda_loss, cpu_loss, atol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(cuda_grads, cpu_grads))
+
+
+# -- data at scale: the wait for the slowest rank -------------------------------------------------------------
+
+def test_the_data_ranks_wait_for_the_slowest_while_it_lives_and_name_a_dead_one(tmp_path, monkeypatch):
+    """Rank 0 has finished; rank 1 still works (its heartbeat fresh) and finishes later: rank 0 waits however
+    long that takes (the gloo barrier gave up after dist_timeout_minutes).  A rank whose heartbeat went stale
+    is named in the error."""
+    import threading
+    import time
+
+    from draftsmith.data.progress import Launch, Progress
+
+    first = Progress(tmp_path, 10, 0, Launch(rank=0, world=2), None, False, "data")
+    second = Progress(tmp_path, 10, 0, Launch(rank=1, world=2), None, False, "data")
+    first.close({"generated_tokens": 5})
+    threading.Timer(1.0, second.close, args=({"generated_tokens": 7},)).start()
+    began = time.time()
+    first.wait_for_ranks(stale_minutes=1, poll=0.05)
+    assert time.time() - began >= 0.9 and first.totals() == {"generated_tokens": 12}
+
+    dead = Progress(tmp_path / "again", 10, 0, Launch(rank=1, world=2), None, False, "data")
+    dead._beating.set()                                                    # the rank's process is gone
+    time.sleep(0.2)
+    waiter = Progress(tmp_path / "again", 10, 0, Launch(rank=0, world=2), None, False, "data")
+    waiter.close({})
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] gave no sign of life"):
+        waiter.wait_for_ranks(stale_minutes=0.1 / 60, poll=0.05)
+
+
+def test_a_target_loads_straight_onto_its_gpu(tiny_target_dir, monkeypatch):
+    """On a (virtual) GPU the weights go from the files to the device (device_map {"": device}), never whole
+    in host memory first: 8 ranks of an 8B target built on the host held about 128 GB at once."""
+    from transformers import AutoModelForCausalLM
+
+    asked = []
+    original = AutoModelForCausalLM.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        asked.append(kwargs.get("device_map"))
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+    with TwoDevices():
+        target = Target.load(str(tiny_target_dir), "float32", "cuda:1")
+        assert {p.device for p in target.model.parameters()} == {torch.device("cuda:1")}
+    assert asked == [{"": "cuda:1"}]
+
+
+def test_the_vllm_data_engine_computes_in_the_gpus_dtype(tiny_target_dir, monkeypatch):
+    """data.backend=vllm holds the target's embedding and lm_head on the CPU beside the engine; with
+    target.dtype auto, the engine on a GPU computes in bf16 (the GPU's choice), not in the host CPU's dtype."""
+    import sys
+    import types
+
+    from draftsmith.data.settings import DataSettings
+    from draftsmith.data.vllm_backend import Engine
+
+    asked = {}
+    stub = types.ModuleType("vllm")
+    stub.LLM = lambda **kwargs: asked.update(kwargs)
+    monkeypatch.setitem(sys.modules, "vllm", stub)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)   # a host CPU without bf16
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    with TwoDevices():
+        target = Target.load(str(tiny_target_dir), "auto", "cpu", layers=False)
+        Engine(target, DataSettings(backend="vllm", max_new_tokens=8))
+    assert target.device.type == "cpu" and asked["dtype"] == "bfloat16" and asked["enforce_eager"] is False

@@ -136,6 +136,7 @@ class Target:
         self.eos_token_ids = self._eos_ids()
         self.source = name
         self.precision = str(self.dtype).replace("torch.", "")     # what the forwards compute in
+        self.dtype_setting: str = self.precision    # what was asked ('auto', ...): load() sets it
         self.layer_types = layer_types_of(self.config, self.num_layers)
         self.recurrent = any(t in engine.RECURRENT_LAYER_TYPES for t in self.layer_types)
 
@@ -166,22 +167,26 @@ class Target:
             if loaded is not None:
                 target = cls(loaded.model, loaded.tokenizer, name, loaded.identity)
                 target.layers_loaded = False
+                target.dtype_setting = str(dtype).replace("torch.", "")
                 target.source = path if not Path(path).expanduser().exists() else str(Path(path).expanduser().resolve())
                 target.set_chat(chat)
                 return target
         # float16 on a CPU: fp32 weights, plus fp16 copies packed for small blocks (heads/runtime/cpu_linear.py)
         packed = torch_dtype == torch.float16 and device.type == "cpu"
+        # onto an accelerator straight from the files: built on the host first, 8 ranks of an 8B target would
+        # hold about 128 GB of host memory at once
+        placement = device_map or ({"": str(device)} if device.type == "cuda" else None)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=torch.float32 if packed else torch_dtype, attn_implementation=engine.ENGINE_ATTENTION,
                 trust_remote_code=trust_remote_code, local_files_only=True,
                 # transformers >= 5.20 swaps in hub kernels (remote code) on CUDA unless told not to: they
                 # would replace layers the engine reads (rotary) and fail offline; tests/test_gpu_shaped.py
-                use_kernels=False, **({"device_map": device_map} if device_map else {}))
+                use_kernels=False, **({"device_map": placement} if placement else {}))
         except (ValueError, KeyError) as err:
             raise TargetError(f"target '{path}' ({model_dir}) does not load as a causal LM: {err}") from err
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code, local_files_only=True)
-        if not device_map:
+        if not placement:
             model = model.to(device)
         identity = None
         if lora is not None:
@@ -198,6 +203,7 @@ class Target:
         target = cls(model, tokenizer, name, identity)
         target.adapter = lora
         target.precision = precision
+        target.dtype_setting = str(dtype).replace("torch.", "")
         # where it came from, to find it again (an embedded name, or an absolute local path)
         target.source = path if not Path(path).expanduser().exists() else str(Path(path).expanduser().resolve())
         target.set_chat(chat)
