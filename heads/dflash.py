@@ -272,10 +272,10 @@ class DFlash(DrafterBase):
         rows = torch.arange(b, device=device)[:, None].expand_as(anchors)
         scored = [real & (anchors + j < s) & reply.gather(1, (anchors + j).clamp(max=s - 1))
                   for j in range(1, self.K + 1)]                                       # slot j drafts a+j
-        needed = torch.zeros(b, s, dtype=torch.bool, device=device)
+        needed = torch.zeros(b, s, dtype=torch.long, device=device)         # scattered, not compacted: no wait
         for j, ok in enumerate(scored, start=1):
-            needed[rows[ok], anchors[ok] + j - 1] = True
-        r, p = needed.nonzero(as_tuple=True)
+            needed.index_put_((rows, (anchors + j - 1).clamp(max=s - 1)), ok.long(), accumulate=True)
+        r, p = needed.bool().nonzero(as_tuple=True)
         probs, top, in_vocab = self._target_probs(batch, r, p)
         index = torch.full((b, s), -1, dtype=torch.long, device=device)
         index[r, p] = torch.arange(r.numel(), device=device)
@@ -284,11 +284,12 @@ class DFlash(DrafterBase):
         correct = torch.zeros(self.K, device=device)
         counted = torch.zeros(self.K, device=device)
         for j, ok in enumerate(scored, start=1):
+            counted[j - 1] = ok.sum()
+            ok = ok.nonzero(as_tuple=True)              # one host wait per slot (docs/scale.md)
             at = index[rows[ok], anchors[ok] + j - 1]
             per, guess = acceptance_loss(logits[:, :, j][ok], probs[at], in_vocab[at].float(), self.config.loss)
             total = total + (self.config.loss_decay ** (j - 1)) * divide(per.sum(), denominators[j - 1])
             correct[j - 1] = ((guess == top[at]) & in_vocab[at]).sum()
-            counted[j - 1] = ok.sum()
         return StepOutput(loss=total, correct=correct, counted=counted)
 
     # -- decoding -----------------------------------------------------------------------------

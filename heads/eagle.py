@@ -140,6 +140,8 @@ class Eagle(EagleDecoding, DrafterBase):
                                    checkpointed=self.gradient_checkpointing and self.training)
         scored = self._scored(batch)                                                    # token t+2 is a reply
         denominator = term_denominators(batch, self.loss_counts(batch))[0]
+        count = scored.sum().float()[None]
+        scored = scored.nonzero(as_tuple=True)          # the micro-batch's one host wait (docs/scale.md)
         wanted = F.pad(features[:, 1:], (0, 0, 0, 1))[scored]                           # f_{t+1}
         mine = predicted[scored]
         feature_loss = divide(F.smooth_l1_loss(mine.float(), wanted.float(), reduction="sum") / mine.shape[-1],
@@ -150,7 +152,7 @@ class Eagle(EagleDecoding, DrafterBase):
         token_loss = divide(per_position.sum(), denominator)
         loss = self.config.feature_weight * feature_loss + self.config.token_weight * token_loss
         correct = (guess == target_probs.argmax(-1)).sum().float()[None]
-        return StepOutput(loss=loss, correct=correct, counted=scored.sum().float()[None])
+        return StepOutput(loss=loss, correct=correct, counted=count)
 
     @staticmethod
     def _scored(batch: dict) -> torch.Tensor:

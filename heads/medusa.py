@@ -229,6 +229,7 @@ class Medusa(DrafterBase):
         needed = F.pad(loss_mask[:, 1:], (0, 1)).bool()           # positions whose next token is trained on
         chosen = following.clone()
         with torch.no_grad():
+            needed = needed.nonzero(as_tuple=True)                    # a host wait (docs/scale.md)
             rows = hidden[needed]                                     # [m, d]
             # max(-1).indices: argmax (the first of tied maxima) at a quarter of its time on bf16 logits
             picks = [self.target.compute_logits(chunk).max(-1).indices for chunk in rows.split(2048)]
@@ -240,11 +241,12 @@ class Medusa(DrafterBase):
         return torch.stack([next_tokens[:, j: j + span] for j in range(len(self.blocks))], dim=-1)
 
     def _label_masks(self, loss_mask: torch.Tensor):
-        """selected [b, s-2]: positions whose head 0 has a label (token t+2 is a reply token), and
-        valid(k) [m]: which of those head k scores (token t+2+k is one too)."""
+        """selected: the (row, position) index of the m positions whose head 0 has a label (token t+2 is a
+        reply token), and valid(k) [m]: which of those head k scores (token t+2+k is one too).  Index
+        tensors, not a boolean mask: the one nonzero here is the micro-batch's one host wait (docs/scale.md)."""
         k_heads = len(self.blocks)
         span = loss_mask.shape[1] - 2
-        selected = loss_mask[:, 2:]
+        selected = loss_mask[:, 2:].nonzero(as_tuple=True)
         label_mask = F.pad(loss_mask, (0, k_heads + 2))
         return selected, lambda k: label_mask[:, 2 + k: 2 + k + span][selected]
 
@@ -253,8 +255,12 @@ class Medusa(DrafterBase):
         return self._head_counts(batch)
 
     def _head_counts(self, batch: dict) -> torch.Tensor:
-        selected, valid = self._label_masks(batch["loss_mask"].bool())
-        return torch.stack([valid(k).sum() for k in range(len(self.blocks))]).float()
+        """[k]: the positions head k scores, counted on the masks (no host wait)."""
+        loss_mask = batch["loss_mask"].bool()
+        span = loss_mask.shape[1] - 2
+        label_mask = F.pad(loss_mask, (0, len(self.blocks) + 2))
+        return torch.stack([(loss_mask[:, 2:] & label_mask[:, 2 + k: 2 + k + span]).sum()
+                            for k in range(len(self.blocks))]).float()
 
     def loss(self, batch: dict) -> StepOutput:
         """Medusa-1 loss: sum_k decay^k * CE(head k at t, token t+2+k) over assistant tokens."""
@@ -262,7 +268,7 @@ class Medusa(DrafterBase):
         k_heads = len(self.blocks)
         span = hidden.shape[1] - 2
         next_tokens = F.pad(self._next_tokens(batch), (0, k_heads + 2))          # [b, s + k + 2]
-        selected, valid_for = self._label_masks(batch["loss_mask"].bool())      # [b, s-2] head 0 has a label
+        selected, valid_for = self._label_masks(batch["loss_mask"].bool())      # ([m], [m]) head 0 has a label
         states = hidden[:, :span][selected]                                      # [m, d]
         logits = self.head_logits(states, self._following(next_tokens, span)[selected])   # [k, m, v]
         total = hidden.new_zeros((), dtype=torch.float32)

@@ -190,7 +190,7 @@ class Medusa2(Medusa):
 
     def distill_kl(self, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
         """Summed KL(original || adapted) of the next-token distribution over the reply positions."""
-        scored = batch["loss_mask"][:, 1:].bool()                   # position t predicts reply token t+1
+        scored = batch["loss_mask"][:, 1:].bool().nonzero(as_tuple=True)   # t predicts reply token t+1
         with torch.no_grad(), self.backbone.disable_adapter():
             original = self._adapted_hidden(batch, grad=False)[:, :-1][scored]
         adapted = hidden[:, :-1][scored]

@@ -200,13 +200,14 @@ class Mtp(EagleDecoding, DrafterBase):
             positions = (torch.arange(s, device=input_ids.device) + step)[None].expand(b, s)
             state = self._block(state, tokens, positions, mask)
             scored = self._scored(batch, step)
+            counted.append(scored.sum().float())
+            scored = scored.nonzero(as_tuple=True)      # one host wait per depth (docs/scale.md)
             wanted = F.pad(features[:, 1 + step:], (0, 0, 0, 1 + step))[scored]          # h_{t+1+s}
             with torch.no_grad():
                 target_probs = torch.softmax(self.target.compute_logits(wanted).float(), dim=-1)
             per_position, guess = soft_cross_entropy(self.logits(state[scored]), target_probs)
             total = total + self.config.loss_decay ** step * divide(per_position.sum(), denominators[step])
             correct.append((guess == target_probs.argmax(-1)).sum().float())
-            counted.append(scored.sum().float())
         return StepOutput(loss=total, correct=torch.stack(correct), counted=torch.stack(counted))
 
 

@@ -179,7 +179,12 @@ def process_stages(work: Path, recipes: dict, cuda: bool, gpus: int, results: li
         if ran["distributed_type"] != expected:
             raise AssertionError(f"torchrun did not make a process group: {ran}")
         backend = "NCCL" if cuda else "gloo"
-        return f"{ran['distributed_type']} over {backend}, 1 process: " + done.stdout.strip().splitlines()[-1]
+        # the launch's object collectives ran over the group of one (the replica check writes what it gathered)
+        replicas = json.loads((work / "torchrun" / "logs" / "replicas.json").read_text())
+        if len(replicas["processes"]) != 1:
+            raise AssertionError(f"the replica check gathered {replicas}")
+        return (f"{ran['distributed_type']} over {backend}, 1 process, object collectives ran: "
+                + done.stdout.strip().splitlines()[-1])
     stage(f"tiny: torchrun 1 process, {'NCCL' if cuda else 'gloo'}", one_process_torchrun, results)
     if not cuda:
         print("SKIP  tiny: torchrun over NCCL     needs CUDA (the gloo run above took the same path)", flush=True)
@@ -269,7 +274,7 @@ def main() -> int:
         """The transformers backend on the 8B-shaped random target: tokens/s and peak memory (its lines)."""
         done = subprocess.run([sys.executable, "scripts/rehearse.py", "--device", str(device), "--data-mode",
                                "regenerate", *REHEARSAL_SIZE[device.type]["data"], "--batch-size", "auto",
-                               "--data-only", "--work", str(work / "data-8b")], capture_output=True, text=True,
+                               "--data-only", "--work", str(work / "rehearsal")], capture_output=True, text=True,
                               timeout=900, cwd=REPO)
         print(done.stdout, flush=True)
         if done.returncode:

@@ -420,3 +420,38 @@ def test_the_vllm_data_engine_computes_in_the_gpus_dtype(tiny_target_dir, monkey
         target = Target.load(str(tiny_target_dir), "auto", "cpu", layers=False)
         Engine(target, DataSettings(backend="vllm", max_new_tokens=8))
     assert target.device.type == "cpu" and asked["dtype"] == "bfloat16" and asked["enforce_eager"] is False
+
+
+# -- host waits per micro-batch, as docs/scale.md counts them -----------------------------------------------
+
+def documented_waits() -> dict[str, str]:
+    """docs/scale.md's table: drafter -> host waits per micro-batch ('2', 'K + 2', 'train_steps')."""
+    import re
+    text = (Path(__file__).parents[1] / "docs" / "scale.md").read_text()
+    return dict(re.findall(r"^\s*\| `(\w+)` \| ([^|]+?) \|", text, flags=re.M))
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "p_eagle", "dflash", "mtp"])
+def test_a_drafters_loss_waits_on_the_device_as_often_as_docs_scale_says(tmp_path, kind):
+    """One micro-batch's loss and backward on a virtual CUDA device: the host's waits (`.item()`, `int()`,
+    `nonzero`, a boolean mask index, ...) are counted and must be what docs/scale.md's table says.  Before:
+    each boolean mask index waited too (Medusa 12, DFlash 22 at K = 4)."""
+    documented = documented_waits()
+    if kind == "mtp":
+        directory, cls, settings = build_mtp_target(tmp_path / "mtp", "deepseek_v3"), registry()["mtp"], {}
+    else:
+        directory = build_tiny_target(tmp_path / "tiny", "llama")
+        cls, settings = registry()[kind], AUDITED[kind]
+    mode = TwoDevices()
+    with mode:
+        target = Target.load(str(directory), "float32", "cuda:0")
+        drafter = cls(cls.config_class(**settings), target).to(target.device).train()
+        ids = torch.randint(3, target.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)).to("cuda:0")
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+        batch["features"] = target.features(ids, batch["attention_mask"], drafter.required_layers)
+        mode.host_waits.clear()
+        drafter.loss(batch).loss.backward()
+        waits = list(mode.host_waits)
+    expected = documented[kind].replace("K", str(getattr(drafter, "K", 0))).replace(
+        "train_steps", str(getattr(drafter.config, "train_steps", 0)))
+    assert len(waits) == sum(int(term) for term in expected.split("+")), (kind, waits, documented[kind])

@@ -6,6 +6,8 @@ import time
 
 import torch
 
+from draftsmith.heads.infra.launch_checks import in_process_group
+
 
 class LaunchClock:
     """The seconds a run has trained, one value for every process of a launch.
@@ -33,7 +35,7 @@ class LaunchClock:
     def sync(self, accelerator) -> float:
         """Rank 0's elapsed seconds, on every process (a broadcast; the only one of the clock)."""
         local = self.offset + time.time() - self.start
-        if accelerator.num_processes == 1:
+        if not in_process_group():
             self.elapsed = local
             return local
         value = torch.tensor([local], dtype=torch.float64, device=accelerator.device)

@@ -15,6 +15,7 @@ from accelerate.utils import DistributedType
 from draftsmith.heads.decoding.metrics import per_position_acceptance, simulated_tau, tau
 from draftsmith.heads.decoding.verifier import decode
 from draftsmith.heads.drafter import drafter_from_state
+from draftsmith.heads.infra.launch_checks import in_process_group
 from draftsmith.heads.registry import registry
 from draftsmith.heads.runtime.target import Target
 
@@ -81,7 +82,7 @@ def check_replicas(accelerator, model, state: dict, path) -> None:
     """Every process's step and a SHA-256 of its drafter's weights, gathered; under DDP (each process
     holds a whole replica) they must all be equal, or the run stops naming the processes that differ.
     logs/replicas.json keeps what was compared."""
-    if accelerator.num_processes == 1:
+    if not in_process_group():
         return
     replicated = accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     mine = {"rank": accelerator.process_index, "step": state["step"], "weights_sha256": None}

@@ -32,11 +32,18 @@ def first_difference(a, b, prefix: str = "") -> tuple[str, object, object] | Non
     return None if a == b else (prefix.rstrip("."), a, b)
 
 
+def in_process_group() -> bool:
+    """A process group is up (a launcher started this process, whatever its size).  The launch's checks and
+    collectives run whenever it is, not only with several processes, so a one-GPU run exercises them over
+    NCCL (scripts/gpu_check.sh's 1-process torchrun)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def check_launch(out_dir: Path, recipe: dict, rank: int, world: int) -> None:
     """Every process of the launch sees what rank 0 writes into out_dir, and holds the same recipe (the dict
     of its resolved settings); otherwise LaunchMismatch on every process.  Needs the process group."""
-    if world == 1 or not dist.is_available() or not dist.is_initialized():
-        return
+    if not in_process_group():
+        return          # with a process group of one (torchrun on one GPU) it runs: NCCL's object collectives too
     recipe = json.loads(json.dumps(recipe, default=str))      # plain values, compared as the YAML would hold them
     token = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)
