@@ -219,11 +219,10 @@ def process_stages(work: Path, recipes: dict, cuda: bool, gpus: int, results: li
 
 
 # the rehearsal's sizes: Llama-3.1-8B's shapes on a GPU, tiny shapes (the same stages) in the CPU mode
+# (one stage: the 8B target is built once and its data made once; docs/gpu.md counts the check's minutes)
 REHEARSAL_SIZE = {
-    "cuda": {"data": ["--conversations", "256", "--tokens", "1024"],
-             "train": ["--conversations", "64", "--tokens", "1024", "--steps", "5"]},
-    "cpu": {"data": ["--shapes", "tiny", "--conversations", "16", "--tokens", "64"],
-            "train": ["--shapes", "tiny", "--conversations", "16", "--tokens", "64", "--steps", "3"]},
+    "cuda": ["--conversations", "64", "--tokens", "1024", "--steps", "5"],
+    "cpu": ["--shapes", "tiny", "--conversations", "16", "--tokens", "64", "--steps", "3"],
 }
 LAUNCHES = ("ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3")
 
@@ -269,35 +268,23 @@ def main() -> int:
             "quickstart", f"output_dir={work / 'quickstart'}", f"target.device={device}", "data.max_minutes=0.5",
             "data.max_conversations=256", "train.max_minutes=0.5", "eval.limit=3", "eval.max_new_tokens=64"), results)
     shapes = "8B" if device.type == "cuda" else "tiny"
-
-    def data_stage():
-        """The transformers backend on the 8B-shaped random target: tokens/s and peak memory (its lines)."""
-        done = subprocess.run([sys.executable, "scripts/rehearse.py", "--device", str(device), "--data-mode",
-                               "regenerate", *REHEARSAL_SIZE[device.type]["data"], "--batch-size", "auto",
-                               "--data-only", "--work", str(work / "rehearsal")], capture_output=True, text=True,
-                              timeout=900, cwd=REPO)
-        print(done.stdout, flush=True)
-        if done.returncode:
-            raise RuntimeError(done.stdout[-1500:] + done.stderr[-1500:])
-        import importlib.util
-        if importlib.util.find_spec("vllm") is not None:
-            return "vLLM is installed here: data.backend=vllm can be tried on this machine"
-        return "vLLM is not installed in this image: only the transformers backend was checked"
     if args.skip_rehearsal:
-        print("SKIP  data: 8B shapes             --skip-rehearsal", flush=True)
-    else:
-        stage(f"data: {shapes} shapes, transformers, batch auto", data_stage, results)
-    if args.skip_rehearsal:
-        print("SKIP  rehearsal: 8B shapes        --skip-rehearsal", flush=True)
+        print(f"SKIP  rehearsal: {shapes} shapes        --skip-rehearsal", flush=True)
     else:
         def rehearse():
+            """One rehearsal on the 8B-shaped random target, built once: dry run, data (the transformers
+            backend, batch auto: regeneration tokens/s and peak memory), training, resume, both exports."""
             done = subprocess.run([sys.executable, "scripts/rehearse.py", "--device", str(device), "--data-mode",
-                                   "regenerate", *REHEARSAL_SIZE[device.type]["train"], "--work",
+                                   "regenerate", *REHEARSAL_SIZE[device.type], "--batch-size", "auto", "--work",
                                    str(work / "rehearsal")], capture_output=True, text=True, timeout=900, cwd=REPO)
             print(done.stdout, flush=True)
             if done.returncode:
                 raise RuntimeError(done.stdout[-1500:] + done.stderr[-1500:])
-            return "see the rehearsal's lines above"
+            import importlib.util
+            vllm = ("vLLM is installed here: data.backend=vllm can be tried on this machine"
+                    if importlib.util.find_spec("vllm") is not None else
+                    "vLLM is not installed in this image: only the transformers backend was checked")
+            return f"see the rehearsal's lines above; {vllm}"
         stage(f"rehearsal: {shapes} shapes", rehearse, results)
     print(f"{sum(results)} passed, {len(results) - sum(results)} failed", flush=True)
     return 0 if all(results) else 1

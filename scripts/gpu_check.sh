@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# bash scripts/gpu_check.sh            (on a machine with one or more CUDA GPUs; about 3-5 minutes)
+# bash scripts/gpu_check.sh            (on a machine with one or more CUDA GPUs; about 9-10 minutes on one,
+#                                       counted stage by stage in docs/gpu.md)
 #
 # The prepared GPU check: every verb of draftsmith on CUDA, one line per stage
 # (PASS/FAIL, seconds, and the device each tensor family was on):
