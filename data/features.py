@@ -238,8 +238,11 @@ class ShardReader:
     """Random access to the records of one cache file (memory-mapped); `layers` are the ones it holds.
 
     verify: 'always' hashes the features (streaming); 'first-use' only when no stamp says this file was
-    hashed already; 'never' (or False) reads the header only.  `max_tokens`: what training reads per
-    record (data.max_seq_len); a file cut shorter than that is refused."""
+    hashed already; 'never' (or False) reads the header only; 'on-read' (training, after build_missing
+    checked the file) reads the header, then checks each MiB a record touches against the stamp's digest
+    the first time it is read (`record`), so a byte changed anywhere since the stamp is never trained on.
+    `max_tokens`: what training reads per record (data.max_seq_len); a file cut shorter than that is
+    refused."""
 
     def __init__(self, path: Path, layers, target_hash: str, verify: str | bool = "always",
                  max_tokens: int | None = None):
@@ -260,20 +263,46 @@ class ShardReader:
         if max_tokens is not None and stored is not None and stored < max_tokens:
             raise CacheError(f"feature shard {path} was cut at {stored} tokens per record, and training reads "
                              f"up to {max_tokens} (data.max_seq_len)")
-        stamp = _stamped(path, meta.get("sha256")) if verify == "first-use" else None
+        stamp = _stamped(path, meta.get("sha256")) if verify in ("first-use", "on-read") else None
+        self.pieces, self.checked = (stamp["pieces"] if verify == "on-read" and stamp else None), set()
+        if self.pieces is not None:
+            features = self.handle.get_slice("features")
+            with open(path, "rb") as f:
+                header_size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(header_size))
+            self.data_start = 8 + header_size + int(header["features"]["data_offsets"][0])
+            self.row_bytes = math.prod(features.get_shape()[1:]) * BYTES_PER_VALUE
+            self._check_pieces(0, self.data_start)           # the header and the record offsets, at once
         if verify == "always" or (verify == "first-use" and stamp is None):
             sha256, pieces = streamed_checksum(path)
             if sha256 != meta.get("sha256"):
                 raise CacheError(f"feature shard {path} is corrupted (checksum mismatch); delete it to rebuild it")
             _stamp(path, sha256, pieces)
-        elif stamp is not None and (changed := spot_check(path, stamp)):
+        elif verify == "first-use" and stamp is not None and (changed := spot_check(path, stamp)):
             raise CacheError(changed)
         self.columns = sorted(set(layers))
 
     def record(self, row: int) -> torch.Tensor:
         """[tokens, layers, d] of record `row`."""
         start, end = int(self.offsets[row]), int(self.offsets[row + 1])
+        if self.pieces is not None and end > start:
+            self._check_pieces(self.data_start + start * self.row_bytes, self.data_start + end * self.row_bytes)
         return self.handle.get_slice("features")[start:end]
+
+    def _check_pieces(self, lo: int, hi: int) -> None:
+        """The MiB pieces of bytes [lo, hi) not checked yet in this run, against the stamp's digests."""
+        wanted = [i for i in range(lo // PIECE, (hi - 1) // PIECE + 1) if i not in self.checked]
+        if not wanted:
+            return
+        with open(self.path, "rb") as f:
+            for index in wanted:
+                f.seek(index * PIECE)
+                if hashlib.sha256(f.read(PIECE)).hexdigest()[:16] != self.pieces[index]:
+                    discard(self.path)
+                    raise CacheError(f"feature shard {self.path} changed since it was verified: MiB {index} of "
+                                     f"{len(self.pieces)} differs (bit rot or a bad copy), found as training read "
+                                     "it; it is deleted, and the same command (with resume=true) rebuilds it")
+                self.checked.add(index)
 
 
 def check_shard(path: Path, layers, target_hash: str, verify: str = "always", max_tokens: int | None = None) -> str | None:
@@ -329,8 +358,9 @@ def build_missing(target, shards: list[Path], layers, out_dir: Path, progress: b
             checked += path.stat().st_size
         spotted += verify == "first-use" and not hashed and problem is None
         if problem is not None:
-            if problem != "missing":
-                log.warning("%s; rebuilding only this shard", problem)
+            if problem != "missing":      # deleted now: whatever path follows (a whole target loaded, a rerun),
+                discard(path)             # the next check finds it missing and builds it; it never trains
+                log.warning("%s; deleted, and rebuilt before training", problem)
             todo.append((shard, path))
     if checked:
         seconds = max(time.time() - start, 1e-6)
@@ -353,6 +383,12 @@ def build_missing(target, shards: list[Path], layers, out_dir: Path, progress: b
         write_shard(path, compute_features(target, records, layers, max_tokens=max_tokens), layers,
                     target.identity.weights_sha256, max_tokens)
     return len(todo)
+
+
+def discard(path: Path) -> None:
+    """A shard judged corrupt goes, with its stamp: nothing can take it for verified again."""
+    path.unlink(missing_ok=True)
+    _stamp_path(path).unlink(missing_ok=True)
 
 
 def _stamped_file(path: Path) -> bool:

@@ -69,10 +69,11 @@ class DataSettings:
     null = no cap."""
     max_seq_len: int = 1024
     """Training sequences are cut to this many tokens."""
-    thinking: str = "template"
+    thinking: str | bool = "template"
     """Whether the target reasons in the data: template (as target.chat_template_kwargs render it), on, off,
     or both (each conversation one or the other, half and half, chosen by its id and the seed).  on/off/both
-    set the template argument data.thinking_switch in the data step only."""
+    set the template argument data.thinking_switch in the data step only.  on and off need no quotes (YAML
+    reads them as true and false, taken here as on and off)."""
     thinking_switch: str = "enable_thinking"
     """The template argument that turns reasoning on and off (Qwen3-style templates: enable_thinking)."""
 

@@ -3,6 +3,7 @@
 Like cli.py, each verb imports what it runs inside its function (see cli.py)."""
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -13,6 +14,11 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, message: str):
         super().__init__(message)
         self.message = message
+
+
+def _terminated(signum, frame):
+    """SIGTERM during bench: handled as Ctrl-C, so what was measured is kept in a report marked incomplete."""
+    raise KeyboardInterrupt
 
 
 def cmd_bench(args) -> dict:
@@ -40,12 +46,15 @@ def cmd_bench(args) -> dict:
     if args.checkpoint != "ngram":
         guard_output(out, "bench", "bench report", sources=[args.checkpoint], overwrite=True, foreign_ok=True)
     started = time.time()
+    previous = signal.signal(signal.SIGTERM, _terminated)      # a kill (a scheduler's, a timeout's) as Ctrl-C
     try:
         report = bench(args.checkpoint, settings, out)
     except KeyboardInterrupt:
         written = (out / "report.md").is_file() and (out / "report.md").stat().st_mtime >= started
         raise Interrupted(f"interrupted: what was measured is in {out / 'report.md'} (marked incomplete)" if written
                           else "interrupted before anything was measured: no report was written") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(markdown(report))
     print(f"wrote {out / 'report.md'}, {out / 'report.html'} and {out / 'report.json'}")
     return report

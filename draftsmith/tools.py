@@ -126,13 +126,15 @@ def cmd_push(args) -> dict:
     from draftsmith.export.staging import PushError
     from draftsmith.heads.drafter import read_config
     from draftsmith.heads.infra.files import human_size
+    from draftsmith.train.settings import recipe_from_dict
 
     read_config(Path(args.checkpoint))                      # not a checkpoint: named before anything else
     if not get_token():
         raise PushError("no Hugging Face token: log in with `hf auth login` or set HF_TOKEN; nothing was uploaded")
     formats = tuple(f for f in (args.export or "").split(",") if f)
     with tempfile.TemporaryDirectory(prefix="draftsmith-push-") as tmp:
-        folder, redactions = push_folder(Path(args.checkpoint), Path(tmp) / "folder", formats)
+        folder, redactions = push_folder(Path(args.checkpoint), Path(tmp) / "folder", formats,
+                                         recipe_settings=lambda raw: recipe_from_dict(raw).to_dict())
         files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
         total = sum((folder / f).stat().st_size for f in files)
         for line in redactions:

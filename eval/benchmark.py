@@ -33,7 +33,7 @@ from draftsmith.heads.runtime.target import Target, resolve_dtype
 from . import engine_check
 from .drift import drift as target_drift
 from .engine_check import EngineCheck
-from .prompts import load_prompts
+from .prompts import load_prompts, read_prompts
 from .proposal import configure_proposal, step_costs
 
 log = logging.getLogger(__name__)
@@ -187,12 +187,14 @@ def evaluate(checkpoint: str, options: EvalSettings, progress: bool = True) -> E
     target_path = checkpoint_target_path(config, options.target)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
+    conversations = read_prompts(options.prompts, options.limit)         # a bad prompt file: before the target
     target = checkpoint_target(config, dtype, device, target_path, options.adapter, device_map=options.device_map)
     drafter = load_drafter(checkpoint, target, options.require_checksum)
     drafter = drafter.to(target.dtype)          # fp32 beside a CPU float16 (packed) target
     drafter = configure_proposal(drafter, target, options)
     description = drafter.describe_proposal()
-    prompts = load_prompts(target, options.prompts, options.limit, options.max_new_tokens, options.long_prompts)
+    prompts = load_prompts(target, options.prompts, options.limit, options.max_new_tokens, options.long_prompts,
+                           conversations)
     # warm-up: every mode once, untimed (first calls allocate, and on a GPU load kernels)
     run_modes(target, drafter, prompts[0][1][:32], dataclasses.replace(options, max_new_tokens=8), 0)
     costs = step_costs(target, drafter, prompts[0][1])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 from dataclasses import asdict, dataclass
@@ -38,10 +39,43 @@ class CostTable:
 
     @classmethod
     def from_dict(cls, raw: dict) -> CostTable:
+        """A table read back, checked: each field of its type, every cost a finite number, T(b, K) > 0 and
+        D(b, K) >= 0 for whole b >= 1 and K >= 0 (ValueError names the first problem)."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"it holds a JSON {type(raw).__name__}, not a table")
+        missing = [k for k in ("machine", "stack", "target", "dtype", "drafter", "context", "verify_ms", "draft_ms")
+                   if k not in raw]
+        if missing:
+            raise ValueError(f"it has no {', '.join(missing)}")
+        for key in ("machine", "stack", "target", "dtype", "drafter"):
+            if not isinstance(raw[key], str):
+                raise ValueError(f"its {key} is {raw[key]!r}, not text")
+        if isinstance(raw["context"], bool) or not isinstance(raw["context"], int) or raw["context"] < 1:
+            raise ValueError(f"its context is {raw['context']!r}, not a whole number of tokens")
         table = cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
-        table.verify_ms = {int(b): {int(k): float(v) for k, v in row.items()} for b, row in table.verify_ms.items()}
-        table.draft_ms = {int(b): {int(k): float(v) for k, v in row.items()} for b, row in table.draft_ms.items()}
+        table.verify_ms = _costs(raw["verify_ms"], "verify_ms", positive=True)
+        table.draft_ms = _costs(raw["draft_ms"], "draft_ms", positive=False)
         return table
+
+
+def _costs(raw, name: str, positive: bool) -> dict[int, dict[int, float]]:
+    """{b: {K: milliseconds}} from JSON (string keys), every value finite and > 0 (or >= 0 for draft costs)."""
+    if not isinstance(raw, dict) or not raw or not all(isinstance(row, dict) and row for row in raw.values()):
+        raise ValueError(f"its {name} is not a table of batch size -> draft length -> milliseconds")
+    out = {}
+    for b, row in raw.items():
+        try:
+            batch = int(b)
+            out[batch] = {int(k): float(v) for k, v in row.items() if not isinstance(v, bool)}
+        except (TypeError, ValueError):
+            raise ValueError(f"its {name}[{b!r}] holds something other than numbers") from None
+        if batch < 1 or len(out[batch]) != len(row) or any(k < 0 for k in out[batch]):
+            raise ValueError(f"its {name}[{b!r}] has a batch size or draft length out of range, or a non-number")
+        bad = [v for v in out[batch].values() if not math.isfinite(v) or v < 0 or (positive and v == 0)]
+        if bad:
+            raise ValueError(f"its {name}[{b}] holds {bad[0]!r} ms, not a {'positive' if positive else 'non-negative'}"
+                             " finite time")
+    return out
 
 
 def machine_name(device: torch.device) -> str:
@@ -69,7 +103,12 @@ def kept_table(path: Path, conditions: dict, batches, ks, refresh: bool = False)
     with a one-line note of what differs (so the caller measures again)."""
     if refresh or not path.is_file():
         return None
-    table = CostTable.from_dict(json.loads(path.read_text()))
+    try:
+        table = CostTable.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (ValueError, UnicodeDecodeError, OSError) as err:      # JSONDecodeError is a ValueError
+        log.warning("cost table %s cannot be used (%s): measured again here, and the file replaced", path,
+                    str(err).splitlines()[0][:200])
+        return None
     differs = table.matches(conditions)
     wanted = set(batches) <= set(table.verify_ms) and all(set(ks) <= set(r) for r in table.verify_ms.values())
     if not differs and wanted and table.version == COST_VERSION:

@@ -226,6 +226,28 @@ def cost_context(context: int | None) -> int:
     return context
 
 
+def bound_context(context: int, target, batches, ks) -> None:
+    """A --cost-context the target and the machine can time: within the target's positions (with the tokens
+    each timing adds after it), and a KV cache of the largest batch under half the device's memory."""
+    from draftsmith.heads.infra.device import total_memory
+
+    from .predict_vllm import NEW_TOKENS
+    reach = context + NEW_TOKENS + max(ks, default=0) + 16
+    if target.context_length is not None and reach > target.context_length:
+        raise PredictError(f"--cost-context {context}: a step timed there reaches position {reach}, past the "
+                           f"{target.context_length} positions of target '{target.name}' (max_position_embeddings); "
+                           f"give at most {max(1, target.context_length - reach + context)}")
+    config = target.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = 2 * target.num_layers * heads * head_dim * torch.finfo(target.dtype).bits // 8 * max(batches) * reach
+    total = total_memory(target.device)
+    if kv > total // 2:
+        raise PredictError(f"--cost-context {context}: the KV cache of {max(batches)} sequences of {reach} tokens "
+                           f"takes {kv / 2 ** 30:.1f} GiB, more than half of the {total / 2 ** 30:.1f} GiB "
+                           f"{target.device} has; give a shorter context or smaller --batch-sizes")
+
+
 def predict_report(checkpoint: str, out: Path, dtype: str = "auto", device: str = "auto", target_path=None,
                    batches=BATCHES, ks=KS, refresh: bool = False, engine: str = "draftsmith",
                    vllm_python: str | None = None, context: int | None = None) -> dict:
@@ -243,6 +265,7 @@ def predict_report(checkpoint: str, out: Path, dtype: str = "auto", device: str 
     config = read_config(Path(checkpoint))
     resolved = resolve_device(device)
     target = checkpoint_target(config, resolve_dtype(dtype, resolved), resolved, target_path)
+    bound_context(context, target, batches, ks)
     drafter = load_drafter(Path(checkpoint), target)       # a checkpoint of another target is refused here
     drafter = drafter.to(target.dtype)
     profile = profile_of(Path(checkpoint), drafter.draft_positions)
@@ -288,6 +311,7 @@ def break_even_report(target_path: str, out: Path, kind: str = "eagle3", dtype: 
     context = cost_context(context)
     resolved = resolve_device(device)
     target = Target.load(target_path, resolve_dtype(dtype, resolved), resolved)
+    bound_context(context, target, batches, ks)
     kinds = registry()
     if kind not in kinds:
         raise PredictError(f"--kind {kind} is not a drafter kind; the kinds: {', '.join(sorted(kinds))}")

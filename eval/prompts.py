@@ -7,11 +7,19 @@ from draftsmith.data.chat import fit_context, prompt_ids
 from draftsmith.heads.runtime.target import Target
 
 
+def read_prompts(source: str, limit: int) -> list:
+    """The first `limit` conversations of `source`, read (and a bad file refused) before any target loads."""
+    convs = list(sources.conversations(source, limit=limit))
+    if not convs:
+        raise ValueError(f"no prompts in '{source}'")
+    return convs
+
+
 def load_prompts(target: Target, source: str, limit: int, max_new_tokens: int = 0,
-                 long_prompts: str = "truncate") -> list[tuple[str, list[int]]]:
-    """(id, prompt ids) of the first `limit` prompts, each fitted to the target's context with room for
-    `max_new_tokens` (cut or refused: eval.long_prompts)."""
-    convs = sources.conversations(source, limit=limit)
+                 long_prompts: str = "truncate", convs: list | None = None) -> list[tuple[str, list[int]]]:
+    """(id, prompt ids) of the first `limit` prompts (`convs`: read_prompts' already), each fitted to the
+    target's context with room for `max_new_tokens` (cut or refused: eval.long_prompts)."""
+    convs = sources.conversations(source, limit=limit) if convs is None else convs
     out = []
     for conv in convs:
         messages = conv.messages

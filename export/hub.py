@@ -3,60 +3,61 @@ files, exports beside it, no secrets and no local paths), and `Drafter.from_pret
 from __future__ import annotations
 
 import errno
+import json
 import shutil
 from pathlib import Path
+
+import yaml
 
 from draftsmith.heads.card import ADAPTER_DIR, CARD_FILE, LAST_EVAL_FILE, WEIGHTS_FILE, model_card, pushed_files
 from draftsmith.heads.drafter import checkpoint_target, load_drafter, read_config
 from draftsmith.heads.infra.device import resolve_device
 from draftsmith.heads.infra.files import StorageError, human_size
+from draftsmith.heads.infra import strict_yaml
 from draftsmith.heads.runtime.assets import looks_like_hub_id
 
 from .core import export
-from .staging import PushError, adapter_limit, check_safetensors, check_text, check_weights, redact, regular_file, scrub
+from .redaction import clean, clean_text
+from .staging import PushError, adapter_limit, check_safetensors, check_text, check_weights, regular_file
 
 
 def push_folder(checkpoint: Path, staging: Path, export_formats: tuple[str, ...] = (),
-                dtype: str = "bfloat16") -> tuple[Path, list[str]]:
+                dtype: str = "bfloat16", recipe_settings=None) -> tuple[Path, list[str]]:
     """The folder `draftsmith push` uploads, staged without touching the checkpoint, and the redactions made.
-    An allowlist (weights, config, card, recipe, last eval, the adapter's config and safetensors) of regular
-    files only, each checked as its kind (export/staging.py), an export per format in `export-FORMAT/`;
-    secrets redacted and no absolute local path in any text file."""
+
+    Push uploads what it writes, not what it finds: an allowlist (weights, config, card, recipe, last eval,
+    the adapter's config and safetensors) of regular files with one link, the weights checked as tensors and
+    copied, every text file parsed and written anew from its cleaned structure (export/redaction.py): the
+    recipe from its typed settings, the JSON files from their parse, the card from those cleaned files; an
+    export per format in `export-FORMAT/`, treated the same way.  A file that does not parse as its kind
+    is refused, and nothing is uploaded.  recipe_settings(raw dict) -> the recipe's typed settings as a dict,
+    raising ValueError for what is not a recipe (the CLI passes train's; export does not import train)."""
     checkpoint, staging = Path(checkpoint), Path(staging)
     config = read_config(checkpoint)              # a damaged checkpoint is named before anything is copied
     shutil.rmtree(staging, ignore_errors=True)
+    found: list[str] = []
     try:
         staging.mkdir(parents=True)
         for name in pushed_files():
             if regular_file(checkpoint / name, name):
-                _check(checkpoint / name, name, config)
-                shutil.copyfile(checkpoint / name, staging / name)
+                _stage(checkpoint / name, name, staging / name, config, checkpoint, found,
+                       recipe_settings=recipe_settings)
         adapter = checkpoint / ADAPTER_DIR
         if regular_file(adapter, ADAPTER_DIR + "/"):
+            (staging / ADAPTER_DIR).mkdir()
             for source in sorted(adapter.iterdir()):
                 if source.name == "adapter_config.json" or source.suffix == ".safetensors":
                     name = f"{ADAPTER_DIR}/{source.name}"
                     regular_file(source, name)
-                    _check(source, name, config)
-                    (staging / ADAPTER_DIR).mkdir(exist_ok=True)
-                    shutil.copyfile(source, staging / name)
-        try:
-            card = model_card(checkpoint)                                # the card as it is now, in the staging only
-        except (KeyError, TypeError, AttributeError, ValueError) as err:
-            raise PushError(f"the model card cannot be made from '{checkpoint}' ({type(err).__name__}: "
-                            f"{str(err)[:80]}): its {LAST_EVAL_FILE} or recipe.yaml is not what draftsmith wrote; "
-                            "evaluate it again or restore them; nothing was uploaded") from None
-        (staging / CARD_FILE).write_text(card)
+                    _stage(source, name, staging / name, config, checkpoint, found)
+        (staging / CARD_FILE).write_text(_card(checkpoint, staging, found), encoding="utf-8")
         for fmt in export_formats:   # written beside the staging (an export never lands in a checkpoint), then moved
             written = export(checkpoint, fmt, staging.with_name(f"{staging.name}-export-{fmt}"), dtype=dtype)
+            for path in sorted(p for p in written.rglob("*") if p.is_file()):
+                name = f"export-{fmt}/{path.relative_to(written)}"
+                regular_file(path, name)
+                _stage(path, name, path, config, checkpoint, found, capped=False)
             written.rename(staging / f"export-{fmt}")
-        redactions = []
-        for path in sorted(staging.rglob("*")):
-            if path.is_file() and path.suffix in (".json", ".yaml", ".md"):
-                text, found = redact(check_text(path, str(path.relative_to(staging))), str(path.relative_to(staging)))
-                redactions += found
-                path.write_text(scrub(text, checkpoint), encoding="utf-8")
-                check_text(path, str(path.relative_to(staging)))         # still its kind after the rewrite
     except OSError as err:
         if err.errno == errno.ENOSPC:
             raise StorageError(errno.ENOSPC, f"the disk is full staging the upload in '{staging.parent}' (the "
@@ -64,16 +65,68 @@ def push_folder(checkpoint: Path, staging: Path, export_formats: tuple[str, ...]
                                "free space there or point TMPDIR at a larger disk, then push again; nothing was "
                                "uploaded and the checkpoint is unchanged") from None
         raise
-    return staging, redactions
+    return staging, found
 
 
-def _check(path: Path, name: str, config: dict) -> None:
-    if path.name == WEIGHTS_FILE and "/" not in name:
-        check_weights(path, config)
-    elif path.suffix == ".safetensors":
-        check_safetensors(path, name, adapter_limit(config))
-    else:
-        check_text(path, name)
+def _stage(source: Path, name: str, dest: Path, config: dict, checkpoint: Path, found: list[str],
+           capped: bool = True, recipe_settings=None) -> None:
+    """One allowed file into the staging: tensors checked and copied; text parsed, cleaned and written anew.
+    capped: an adapter's safetensors is at most adapter_limit (an export's weights are the drafter's own)."""
+    if source.suffix == ".safetensors":
+        if source.name == WEIGHTS_FILE and "/" not in name:
+            check_weights(source, config)
+        else:
+            check_safetensors(source, name, adapter_limit(config) if capped else None)
+        if dest != source:
+            shutil.copyfile(source, dest)
+        return
+    text = check_text(source, name)
+    if source.suffix not in (".json", ".yaml", ".md"):
+        raise PushError(f"'{name}' is neither tensors nor a JSON, YAML or Markdown file draftsmith writes, so push "
+                        "cannot check what it holds; remove it; nothing was uploaded")
+    if source.suffix == ".md":
+        dest.write_text(clean_text(text, name, found, checkpoint), encoding="utf-8")
+        return
+    parsed = _parse(text, name, recipe_settings)
+    cleaned = clean(parsed, name, found, checkpoint)
+    dest.write_text(json.dumps(cleaned, indent=1) + "\n" if source.suffix == ".json" else
+                    yaml.safe_dump(cleaned, sort_keys=False), encoding="utf-8")
+
+
+def _parse(text: str, name: str, recipe_settings=None):
+    """The structure a text file holds; recipe.yaml through the typed settings (what a recipe can hold)."""
+    if name.endswith(".json"):
+        return json.loads(text)
+    raw = strict_yaml.load(text) if name == "recipe.yaml" else yaml.safe_load(text)
+    if name != "recipe.yaml" or recipe_settings is None:
+        return raw
+    try:
+        return recipe_settings(raw if isinstance(raw, dict) else {"?": raw})
+    except (ValueError, TypeError) as err:
+        raise PushError(f"'recipe.yaml' in the checkpoint is not a draftsmith recipe ({str(err)[:160]}): push "
+                        "uploads the recipe draftsmith saved; restore it, or remove it; nothing was uploaded") from None
+
+
+def _card(checkpoint: Path, staging: Path, found: list[str]) -> str:
+    """The model card, made from the cleaned files (and the cleaned progress): it says nothing they do not."""
+    source = staging.with_name(staging.name + "-card")
+    shutil.rmtree(source, ignore_errors=True)
+    (source / "state").mkdir(parents=True)
+    for name in pushed_files():
+        if (staging / name).is_file() and not name.endswith(".safetensors"):
+            shutil.copyfile(staging / name, source / name)
+    progress = checkpoint / "state" / "progress.json"
+    if regular_file(progress, "state/progress.json"):
+        _stage(progress, "state/progress.json", source / "state" / "progress.json", {}, checkpoint, [])
+    try:
+        card = model_card(source)
+    except (KeyError, TypeError, AttributeError, ValueError) as err:
+        raise PushError(f"the model card cannot be made from '{checkpoint}' ({type(err).__name__}: "
+                        f"{str(err)[:80]}): its {LAST_EVAL_FILE} or recipe.yaml is not what draftsmith wrote; "
+                        "evaluate it again or restore them; nothing was uploaded") from None
+    finally:
+        shutil.rmtree(source, ignore_errors=True)
+    return clean_text(card, CARD_FILE, found, checkpoint)
 
 
 class Drafter:

@@ -1,5 +1,6 @@
-"""What `draftsmith push` lets leave the machine: regular files only, each a real file of its kind and of a
-sane size, with secrets redacted and no absolute local path (docs/export.md, "What push uploads").
+"""What `draftsmith push` lets leave the machine: regular files with one link only, each a real file of its kind
+and of a sane size, and no absolute local path (docs/export.md, "What push uploads"); the secrets go by
+structure (export/redaction.py).
 
 Every check refuses by name before anything is uploaded; the checkpoint itself is never changed.
 """
@@ -40,6 +41,10 @@ def regular_file(path: Path, name: str) -> bool:
     if not stat.S_ISREG(info.st_mode) and not stat.S_ISDIR(info.st_mode):
         raise PushError(f"'{name}' in the checkpoint is not a regular file (a device, pipe or socket): push uploads "
                         "regular files only; remove it; nothing was uploaded")
+    if stat.S_ISREG(info.st_mode) and info.st_nlink != 1:
+        raise PushError(f"'{name}' in the checkpoint has {info.st_nlink} hard links: its bytes are also another "
+                        "file's, elsewhere on this machine, so push does not take it for the checkpoint's own; "
+                        "replace it by a copy (cp --no-preserve=links) or remove it; nothing was uploaded")
     return True
 
 
@@ -107,51 +112,6 @@ def check_weights(path: Path, config: dict) -> None:
                         "uploaded")
 
 
-# -- secrets ----------------------------------------------------------------------------------------------
-
-SECRET_KEY = re.compile(r"(?i)^(?:.*[_-])?(api[_-]?key|apikey|token|access[_-]?token|auth[_-]?token|hf[_-]?token|"
-                        r"password|passwd|secret|secret[_-]?key|client[_-]?secret|access[_-]?key(?:[_-]id)?|"
-                        r"secret[_-]?access[_-]?key|private[_-]?key)$")
-NOT_SECRET = re.compile(r"(?i)(^|[_-])(pad|bos|eos|unk|mask|sep|cls|ptd|start|end|special|chat|new|draft)[_-]?token$")
-SECRET_VALUES = (
-    ("a Hugging Face token", re.compile(r"\bhf_[A-Za-z0-9]{30,}\b")),
-    ("an OpenAI key", re.compile(r"\bsk-(?:proj-|svcacct-)?[A-Za-z0-9_-]{20,}\b")),
-    ("an AWS access key", re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b")),
-    ("a W&B key", re.compile(r"\bwandb_v\d_[A-Za-z0-9_]{20,}\b")),
-    ("a W&B key", re.compile(r"(?i)(?<=wandb)[^\n]{0,60}?\b(?:local-)?([0-9a-f]{40})\b")),
-)
-KEY_VALUE = re.compile(r"""(?P<lead>^|[\s{,])(?P<q>["']?)(?P<key>[A-Za-z_][\w.-]*)(?P=q)(?P<sep>\s*[:=]\s*)"""
-                       r"""(?P<value>"(?:[^"\\\n]|\\.)*"|'[^'\n]*'|[^\s,}#\n]+)""", re.M)
-
-
-def redact(text: str, name: str) -> tuple[str, list[str]]:
-    """`text` with each secret value replaced by <redacted>, and one line per redaction (never the value)."""
-    found: list[str] = []
-
-    def line_of(pos: int) -> int:
-        return text.count("\n", 0, pos) + 1
-
-    def by_key(m: re.Match) -> str:
-        key, value = m.group("key"), m.group("value")
-        if not SECRET_KEY.match(key) or NOT_SECRET.search(key) or value.strip("\"'") in ("", "null", "~", REDACTED):
-            return m.group(0)
-        if value.strip("\"'").lower() in ("true", "false") or re.fullmatch(r"-?\d+(\.\d+)?", value.strip("\"'")):
-            return m.group(0)
-        found.append(f"{name} line {line_of(m.start('value'))}: the value of '{key}'")
-        quote = value[0] if value[0] in "\"'" else ('"' if name.endswith(".json") else "")
-        return f"{m.group('lead')}{m.group('q')}{key}{m.group('q')}{m.group('sep')}{quote}{REDACTED}{quote}"
-
-    text = KEY_VALUE.sub(by_key, text)
-    for kind, pattern in SECRET_VALUES:
-        def by_shape(m: re.Match, kind=kind) -> str:
-            found.append(f"{name} line {line_of(m.start())}: {kind}")
-            if m.groups():
-                return m.group(0)[:m.start(1) - m.start()] + REDACTED
-            return REDACTED
-        text = pattern.sub(by_shape, text)
-    return text, found
-
-
 # -- local paths ------------------------------------------------------------------------------------------
 
 _SEGMENT = r"[^\s/\\\"'`<>|(){}\[\],;]+"
@@ -168,7 +128,7 @@ QUOTED_PATH = re.compile(r"""(?P<q>["'`])(?P<path>(?:/|~|[A-Za-z]:[\\/]|\\\\)[^"
 YAML_PATH = re.compile(r"(?m)^(?P<lead>\s*(?:- |[\w.-]+:\s+))(?P<path>(?:/|~/|[A-Za-z]:[\\/]|\\\\)[^\n#]*?)\s*$")
 
 
-def _last_part(path: str) -> str:
+def last_part(path: str) -> str:
     parts = [p for p in re.split(r"[\\/]+", path.strip()) if p and p != "~" and not re.fullmatch(r"[A-Za-z]:", p)]
     return parts[-1] if parts else "."
 
@@ -181,10 +141,10 @@ def scrub(text: str, checkpoint: Path) -> str:
     for form in {root, str(checkpoint), str(Path(checkpoint).absolute())}:
         if form.startswith("/"):
             text = text.replace(form + "/", "./").replace(form + "\"", ".\"")
-    text = QUOTED_PATH.sub(lambda m: m.group("q") + _last_part(m.group("path")) + m.group("q"), text)
-    text = YAML_PATH.sub(lambda m: m.group("lead") + _last_part(m.group("path")), text)
+    text = QUOTED_PATH.sub(lambda m: m.group("q") + last_part(m.group("path")) + m.group("q"), text)
+    text = YAML_PATH.sub(lambda m: m.group("lead") + last_part(m.group("path")), text)
     for pattern in PATH_PATTERNS:
-        text = pattern.sub(lambda m: _last_part(m.group(0)), text)
+        text = pattern.sub(lambda m: last_part(m.group(0)), text)
     return text
 
 

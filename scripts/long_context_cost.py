@@ -63,7 +63,8 @@ def one(kind: str, length: int, target_path: str, shape: str | None = None) -> d
     from draftsmith.heads.registry import registry
     from draftsmith.heads.runtime.target import Target
     from draftsmith.recipe_files import resolve_recipe
-    from draftsmith.train.plan import sequence_memory, total_memory
+    from draftsmith.heads.infra.device import total_memory
+    from draftsmith.train.plan import sequence_memory
     from draftsmith.train.settings import recipe_from_dict
 
     own = None

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 CPU = torch.device("cpu")
 MOVES = {"to", "cuda", "cpu", "_to_copy"}
-CROSS_DEVICE_OK = {"copy_", "set_", "__set__", "_has_compatible_shallow_copy_type", "is_same_size"}
+CROSS_DEVICE_OK = {"copy_", "set_", "_has_compatible_shallow_copy_type", "is_same_size"}   # and every setter
 INDEXING = {"__getitem__", "__setitem__", "index_select", "index", "gather", "scatter", "scatter_", "index_put_",
             "index_put", "index_copy_", "index_add_", "take_along_dim", "scatter_add_", "index_fill_"}
 SYNCS = {"item", "tolist", "__bool__", "nonzero", "numpy", "__int__", "__float__", "__index__", "argwhere",

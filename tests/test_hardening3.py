@@ -84,12 +84,21 @@ SECRETS = {
 }
 
 
-def test_2_push_redacts_secrets_and_lists_each(pushable, hub, capsys):
-    (pushable / "recipe.yaml").write_text(
-        "train:\n  report_to: wandb\n  wandb_api_key: " + SECRETS["wandb"] + "\n  lr: 0.001\n"
-        f"notes: 'pushed with {SECRETS['hf']} and {SECRETS['openai']}'\n"
-        f"aws: {{access_key_id: {SECRETS['aws']}, region: us-east-1}}\n"
-        f"wandb_key_v1: {SECRETS['wandb_v1']}\n")
+def saved_recipe(checkpoint: Path, tmp_path: Path, target_dir: Path, **sections) -> None:
+    """A recipe.yaml as training saves it (save_recipe), with `sections` merged into the tiny recipe."""
+    from draftsmith.train.settings import recipe_from_dict, save_recipe
+    raw = tiny_recipe(tmp_path, target_dir)
+    raw["drafter"] = {"num_heads": 2, "lm_head": "own"}
+    for key, value in sections.items():
+        raw[key] = {**raw[key], **value} if isinstance(value, dict) and isinstance(raw.get(key), dict) else value
+    save_recipe(recipe_from_dict(raw), checkpoint / "recipe.yaml")
+
+
+def test_2_push_redacts_secrets_and_lists_each(pushable, hub, capsys, tmp_path, tiny_target_dir):
+    saved_recipe(pushable, tmp_path, tiny_target_dir, target={"chat_template_kwargs": {
+        "report": {"wandb_api_key": SECRETS["wandb"]}, "notes": f"pushed with {SECRETS['hf']} and {SECRETS['openai']}",
+        "aws": {"access_key_id": SECRETS["aws"], "region": "us-east-1"}, "wandb_key_v1": SECRETS["wandb_v1"]}},
+        train={"lr": 0.001})
     (pushable / "adapter").mkdir()
     (pushable / "adapter" / "adapter_config.json").write_text(json.dumps(
         {"r": 8, "password": SECRETS["password"], "mask_token_id": 7, "max_new_tokens": 8}))
@@ -98,7 +107,8 @@ def test_2_push_redacts_secrets_and_lists_each(pushable, hub, capsys):
     uploaded = b"".join(hub["files"].values()).decode(errors="replace")
     for kind, value in SECRETS.items():
         assert value not in uploaded, kind
-    assert out.count("redacted ") >= 6 and "recipe.yaml line 3" in out and "adapter/adapter_config.json" in out
+    assert out.count("redacted ") >= 6 and "recipe.yaml: the value of 'target.chat_template_kwargs.report." \
+        "wandb_api_key'" in out and "adapter/adapter_config.json" in out
     assert not any(value in out for value in SECRETS.values())           # the listing names places, not values
     kept = json.loads(hub["files"]["adapter/adapter_config.json"])
     assert kept["r"] == 8 and kept["mask_token_id"] == 7 and kept["max_new_tokens"] == 8
@@ -113,9 +123,10 @@ def test_2_push_redacts_secrets_and_lists_each(pushable, hub, capsys):
     ("export WANDB_API_KEY=" + SECRETS["wandb"], SECRETS["wandb"]), ("see " + SECRETS["openai"], SECRETS["openai"]),
     ("- password: p@ss", "p@ss"), ('"private_key": "-----BEGIN"', "-----BEGIN"),
 ])
-def test_every_secret_shape_is_redacted(text, secret):
-    from draftsmith.export.staging import redact
-    out, found = redact(text, "f.yaml")
+def test_every_secret_shape_is_redacted(text, secret, tmp_path):
+    from draftsmith.export.redaction import clean_text
+    found = []
+    out = clean_text(text, "f.yaml", found, tmp_path)
     assert secret not in out and found
 
 
@@ -123,20 +134,22 @@ def test_every_secret_shape_is_redacted(text, secret):
     "pad_token: <pad>", '"eos_token_id": 2', "max_new_tokens: 128", "num_speculative_tokens: 3",
     '"mask_token_id": 7', "tokens: 1200", "token: null", "commit 0123456789abcdef0123456789abcdef01234567",
 ])
-def test_what_is_not_a_secret_is_kept(text):
-    from draftsmith.export.staging import redact
-    assert redact(text, "f.yaml") == (text, [])
+def test_what_is_not_a_secret_is_kept(text, tmp_path):
+    from draftsmith.export.redaction import clean_text
+    found = []
+    assert clean_text(text, "f.yaml", found, tmp_path) == text and found == []
 
 
-def test_3_push_scrubs_every_absolute_path_existing_or_not(pushable, hub, capsys):
+def test_3_push_scrubs_every_absolute_path_existing_or_not(pushable, hub, capsys, tmp_path, tiny_target_dir):
     from draftsmith.export.staging import local_paths
     config = json.loads((pushable / "config.json").read_text())
     config["target_source"] = "/home/alice/acme-confidential/target model"
     (pushable / "config.json").write_text(json.dumps(config))
-    (pushable / "recipe.yaml").write_text(
-        "data:\n  source: /home/alice/acme-confidential/data.jsonl\n  chat: /home/alice/my data/chat template.jinja\n"
-        "  eval: 'C:\\Users\\alice\\acme\\prompts.jsonl'\n  other: ~/acme-private/x.jsonl\n"
-        "output_dir: \\\\fileserver\\acme\\runs\n")
+    saved_recipe(pushable, tmp_path, tiny_target_dir, data={"source": "/home/alice/acme-confidential/data.jsonl"},
+                 eval={"prompts": "C:\\Users\\alice\\acme\\prompts.jsonl"},
+                 target={"chat_template_kwargs": {"chat": "/home/alice/my data/chat template.jinja",
+                                                  "other": "~/acme-private/x.jsonl"}},
+                 output_dir="\\\\fileserver\\acme\\runs")
     code, out = run_cli(capsys, "push", pushable, "me/x")
     assert code == 0, out
     for name, content in hub["files"].items():
@@ -221,7 +234,7 @@ def test_5_first_use_spot_checks_bytes_changed_under_the_same_size_and_mtime(tra
     corrupted = victim.read_bytes()
     code, out = run_cli(capsys, "train", recipe, "overwrite=true")
     assert code == 0, out
-    assert "changed since it was verified" in caplog.text and "rebuilding only this shard" in caplog.text
+    assert "changed since it was verified" in caplog.text and "deleted, and rebuilt before training" in caplog.text
     from draftsmith.data import features
     meta = features.safe_open(str(victim), framework="pt").metadata()
     assert victim.read_bytes() != corrupted and features.streamed_checksum(victim)[0] == meta["sha256"]   # rebuilt

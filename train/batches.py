@@ -101,7 +101,8 @@ def load_training_data(recipe, target: Target, layers=(), accelerator=None) -> T
         if accelerator is not None and processes > 1:
             accelerator.wait_for_everyone()                   # every share checked and built
         source = FeatureSource(cache, layers_stored, target.identity.weights_sha256,
-                               wanted=layers if superset is not None else None)
+                               wanted=layers if superset is not None else None,
+                               verify_reads=recipe.train.verify_cache == "first-use")
     arrow = datasets.load_from_disk(str(data_dir / "tokenized")).data.table       # memory-mapped
     columns = {k: arrow.column(k).to_pylist() for k in ("id", "shard", "row")}      # a few bytes a row
     heldout = [_is_heldout(i, recipe.seed, recipe.train.heldout_fraction) for i in columns["id"]]
@@ -140,15 +141,18 @@ class TokenColumn(Sequence):
 
 class FeatureSource:
     """Cached hidden states by (shard, row), memory-mapped.  The files' checksums were checked (or not,
-    as train.verify_cache says) by `build_missing` just before: here only their headers are read."""
+    as train.verify_cache says) by `build_missing` just before: here their headers are read, and under
+    first-use (`verify_reads`) each MiB a record touches is checked against its stamped digest the first
+    time training reads it (a first-use spot check reads 4 MiB of a shard; this covers the rest)."""
 
-    def __init__(self, directory, layers, target_hash: str, wanted=None):
+    def __init__(self, directory, layers, target_hash: str, wanted=None, verify_reads: bool = False):
         self.directory = directory
         self.layers = sorted(set(layers))                          # stored in the files
         self.wanted = sorted(set(wanted)) if wanted else self.layers  # handed to the drafter
         self.readers = {}
         for path in sorted(directory.glob("shard-*.safetensors")):
-            self.readers[path.stem] = ShardReader(path, self.layers, target_hash, verify=False)
+            self.readers[path.stem] = ShardReader(path, self.layers, target_hash,
+                                                  verify="on-read" if verify_reads else "never")
 
     def batch(self, rows: list[dict], longest: int) -> dict[int, torch.Tensor]:
         """{layer: [b, s, d]} for these rows, zero-padded to `longest`."""

@@ -25,6 +25,7 @@ from draftsmith.data.chat import tokenize_chat
 from draftsmith.data.distill import columns, shard_conversations
 from draftsmith.data.generate import generate_batch
 from draftsmith.data.space import estimate_lengths
+from draftsmith.heads.infra.device import total_memory
 from draftsmith.heads.infra.files import free_bytes, human_size
 from draftsmith.heads.registry import drafter_class, registry
 from draftsmith.heads.runtime.target import resolve_dtype
@@ -357,17 +358,3 @@ def check_sequence_memory(recipe, target, world: int = 1) -> dict | None:
             "(train.grad_accum keeps the batch), or set train.gradient_checkpointing=true")
     return estimate
 
-
-def total_memory(device) -> int:
-    """All the memory of `device`: a GPU's total, or the machine's MemTotal."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -35,7 +35,7 @@ class LaunchClock:
     def sync(self, accelerator) -> float:
         """Rank 0's elapsed seconds, on every process (a broadcast; the only one of the clock)."""
         local = self.offset + time.time() - self.start
-        if not in_process_group():
+        if accelerator.num_processes == 1 and not in_process_group():
             self.elapsed = local
             return local
         value = torch.tensor([local], dtype=torch.float64, device=accelerator.device)

@@ -82,7 +82,7 @@ def check_replicas(accelerator, model, state: dict, path) -> None:
     """Every process's step and a SHA-256 of its drafter's weights, gathered; under DDP (each process
     holds a whole replica) they must all be equal, or the run stops naming the processes that differ.
     logs/replicas.json keeps what was compared."""
-    if not in_process_group():
+    if accelerator.num_processes == 1 and not in_process_group():
         return
     replicated = accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     mine = {"rank": accelerator.process_index, "step": state["step"], "weights_sha256": None}

@@ -13,6 +13,8 @@ Timing on an asynchronous device (CUDA) must wait for the queued kernels:
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -106,3 +108,18 @@ def same_device(a: torch.device | str, b: torch.device | str) -> bool:
         return True
     current = torch.cuda.current_device()
     return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
+def total_memory(device) -> int:
+    """All the memory of `device`: a GPU's total, or the machine's MemTotal."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
