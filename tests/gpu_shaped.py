@@ -206,9 +206,3 @@ class TwoDevices(TorchFunctionMode):
         if len(devices) > 1:
             raise CrossDeviceError(f"Expected all tensors to be on the same device, but found at least two devices, "
                                    f"{' and '.join(sorted(map(str, devices)))}! (in {name})")
-
-
-def on_device(mode: TwoDevices, module: torch.nn.Module, device: str) -> torch.nn.Module:
-    """Move `module`'s parameters and buffers to a virtual device (as `module.to(device)` does on a GPU)."""
-    with mode:
-        return module.to(device)
