@@ -34,6 +34,7 @@ from pathlib import Path
 import datasets
 
 from draftsmith.heads.infra.files import swap_directory, write_atomic
+from draftsmith.heads.infra.kept import read_kept_json
 from draftsmith.heads.runtime.target import Target
 
 from . import features as feature_cache
@@ -353,14 +354,32 @@ def _as_is(target: Target, conv: sources.Conversation, settings: DataSettings, s
             for n, chat in enumerate(rows) if sum(chat.loss_mask)]
 
 
+def rendered_template(target: Target) -> str:
+    """The chat template every row was rendered with, as the tokenizer holds it: the target's own (its
+    chat_template.jinja, or tokenizer_config.json), or the recipe's target.chat_template.  Part of what the data
+    depends on: an edited template changes every prompt's tokens."""
+    template = getattr(target.tokenizer, "chat_template", None)
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_manifest(out_dir: Path) -> dict:
+    """The data's manifest.json (what made it: settings, seed, target, prompt format), its shape checked."""
+    return read_kept_json(out_dir / "manifest.json", "the data's manifest: the settings and target that made it",
+                          f"Delete it and run `draftsmith data` again with the recipe that made {out_dir}: the manifest "
+                          "is written again and the shards already made are kept",
+                          {"fingerprint": str, "target": dict})
+
+
 def check_same_data(out_dir: Path, settings: DataSettings, seed: int, target: Target) -> None:
     """Refuse data on disk made with other settings (source, mode, lengths, seed, target), naming what differs."""
     manifest_path = Path(out_dir) / "manifest.json"
     if not manifest_path.exists():
         return
-    manifest = json.loads(manifest_path.read_text())
+    manifest = read_manifest(Path(out_dir))
     key = fingerprint(settings, seed, target.identity.to_dict(), target.chat)
-    if manifest.get("fingerprint") == key:
+    saved_template, template = manifest.get("template_sha256"), rendered_template(target)
+    same_template = saved_template in (None, template)          # None: data made before it was recorded
+    if manifest.get("fingerprint") == key and same_template:
         return
     saved = DataSettings(**{k: v for k, v in (manifest.get("settings") or {}).items()
                             if k in DataSettings.__dataclass_fields__})
@@ -372,6 +391,9 @@ def check_same_data(out_dir: Path, settings: DataSettings, seed: int, target: Ta
     if manifest.get("target_chat") != target.chat:
         diffs.append(f"the target's prompt format (target.chat_template, chat_template_kwargs, stop_tokens): on disk "
                      f"{manifest.get('target_chat')}, recipe {target.chat}")
+    if not same_template:
+        diffs.append(f"the chat template the target renders (its own chat_template.jinja or tokenizer_config.json, "
+                     f"or target.chat_template): sha256 {saved_template} on disk, {template} now")
     raise ValueError(
         f"{out_dir} holds data made with other settings ({'; '.join(diffs) or 'fingerprint ' + str(manifest.get('fingerprint'))})."
         f" Use another output_dir, or delete {out_dir} to make it again with the recipe's settings")
@@ -382,7 +404,8 @@ def _check_manifest(out_dir: Path, settings: DataSettings, seed: int, target: Ta
     key = fingerprint(settings, seed, target.identity.to_dict(), target.chat)
     manifest_path = out_dir / "manifest.json"
     write_atomic(manifest_path, json.dumps({"fingerprint": key, "settings": asdict(settings), "seed": seed,
-                                            "target": target.identity.to_dict(), "target_chat": target.chat},
+                                            "target": target.identity.to_dict(), "target_chat": target.chat,
+                                            "template_sha256": rendered_template(target)},
                                            indent=1))
 
 

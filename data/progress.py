@@ -27,6 +27,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from draftsmith.heads.infra.files import DirectoryLock, StorageError, write_atomic
+from draftsmith.heads.infra.kept import NUMBER, read_kept_json
 from draftsmith.heads.infra.launch_checks import check_launch
 
 log = logging.getLogger(__name__)
@@ -95,13 +96,7 @@ class Progress:
 
     def ranks(self) -> list[dict]:
         """The latest counts of every rank of this run."""
-        out = []
-        for rank in range(self.launch.world):
-            try:
-                out.append(json.loads((self.dir / f"rank-{rank}.json").read_text()))
-            except (OSError, ValueError):
-                continue
-        return out
+        return [counts for rank in range(self.launch.world) if (counts := self._rank_file(rank))]
 
     def _show(self, now: float) -> None:
         ranks = self.ranks()
@@ -163,8 +158,11 @@ class Progress:
             time.sleep(poll)
 
     def _rank_file(self, rank: int) -> dict:
+        """A rank's latest counts; {} while it has written none, or when its file is damaged (it is a display,
+        rewritten every few seconds: the shards, not this file, are what a resumed run counts)."""
         try:
-            return json.loads((self.dir / f"rank-{rank}.json").read_text())
+            return read_kept_json(self.dir / f"rank-{rank}.json", "a rank's progress", "",
+                                  {"conversations": int, "tokens": int, "seconds": NUMBER})
         except (OSError, ValueError):
             return {}
 

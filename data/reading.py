@@ -100,6 +100,25 @@ def read_line(f, path: Path) -> bytes:
                         "uncompressed .jsonl") from None
 
 
+def text_lines(f, path: Path) -> Iterator[tuple[int, bytes, str]]:
+    """(line number, bytes, text) of each non-blank line of a file from open_source: at most MAX_LINE_BYTES,
+    UTF-8; a DataError names the file, the line and the fix."""
+    number = 0
+    while raw := read_line(f, path):
+        number += 1
+        if len(raw) > MAX_LINE_BYTES:
+            raise DataError(f"{path}:{number}: the line is more than {MAX_LINE_BYTES >> 20} MiB: a conversation "
+                            "or prompt this long is refused (no context holds it); remove or split it")
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start}); "
+                            "re-encode the file as UTF-8") from None
+        yield number, raw, text
+
+
 def only_blank_after(f) -> bool:
     """Nothing but whitespace is left in the file (read in bounded pieces)."""
     while piece := f.read(1 << 20):

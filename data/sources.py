@@ -17,7 +17,8 @@ import datasets
 
 from draftsmith.heads.runtime.assets import looks_like_hub_id, package_file
 
-from .reading import MAX_LINE_BYTES, DataError, iter_json_array, only_blank_after, open_source, read_line  # noqa: F401
+from .reading import (MAX_LINE_BYTES, DataError, iter_json_array, only_blank_after, open_source,  # noqa: F401
+                      read_line, text_lines)
 
 log = logging.getLogger(__name__)
 
@@ -162,19 +163,7 @@ def jsonl(path: str | Path, limit: int | None = None, stats: SourceStats | None 
     stats = stats if stats is not None else SourceStats()
     path = Path(path)
     with open_source(path) as f:                    # streamed: a limit stops the reading, not only the parsing
-        number = 0
-        while raw := read_line(f, path):
-            number += 1
-            if len(raw) > MAX_LINE_BYTES:
-                raise DataError(f"{path}:{number}: the line is more than {MAX_LINE_BYTES >> 20} MiB: a conversation "
-                                "or prompt this long is refused (no context holds it); remove or split it")
-            if not raw.strip():
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DataError(f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start}); "
-                                "re-encode the file as UTF-8") from None
+        for number, raw, text in text_lines(f, path):
             try:
                 record = json.loads(text)
             except json.JSONDecodeError as err:

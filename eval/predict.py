@@ -120,12 +120,12 @@ def profile_of(checkpoint: Path, depth: int) -> Profile:
     """The checkpoint's acceptance profile: its last evaluation's per-position acceptance where that was a
     greedy chain (measured decoding), else its held-out teacher-forced agreement (simulated, from training).
     Which target it belongs to is checked where its drafter loads (load_drafter: the identity check)."""
-    from draftsmith.heads.card import LAST_EVAL_FILE
+    from draftsmith.heads.card import read_last_eval
+    from draftsmith.heads.drafter import read_config
     checkpoint = Path(checkpoint)
-    config = json.loads((checkpoint / "config.json").read_text())
-    last = checkpoint / LAST_EVAL_FILE
-    if last.is_file():
-        report = json.loads(last.read_text())
+    config = read_config(checkpoint)
+    report = read_last_eval(checkpoint, {"per_position_acceptance": list, "proposal": str})
+    if report is not None:
         rates, proposal = report.get("per_position_acceptance") or [], str(report.get("proposal", ""))
         if rates and "chain" in proposal and "tree" not in proposal and report.get("temperature", 0) == 0:
             return Profile(list(rates), f"measured: the last eval ({report.get('date', '?')}, {proposal}, "

@@ -56,48 +56,36 @@ def _record_max_tokens(record: dict, where: str, default: int) -> int:
 
 def _jsonl_traffic(path: Path, max_tokens: int) -> tuple[list[_Row], int]:
     """The rows of every line with a prompt, and how many lines had none."""
-    if not path.is_file():
+    if not path.exists():
         raise TrafficError(f"traffic file '{path}' does not exist; give mt-bench, humaneval or a JSONL file")
     stats, rows, skipped = sources.SourceStats(), [], 0
-    with open(path, "rb") as f:                 # streamed, each line bounded: no file is held whole
-        for number, line in _lines(f, path):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise TrafficError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno})") from None
-            if isinstance(record, dict) and not ({"prompt", "messages", "conversations"} & record.keys()):
-                skipped += 1
-                continue
-            try:
-                turns, rid, category = sources.record_turns(record, f"{path}:{number}")
-            except sources.DataError:
-                skipped += 1
-                continue
-            conv = sources.normalize(turns, rid if rid is not None else f"{path.stem}-{number}", stats, category)
-            if conv is None or not any(m["role"] == "user" for m in conv.messages):
-                skipped += 1
-                continue
-            limit = (_record_max_tokens(record, f"{path}:{number}", max_tokens) if isinstance(record, dict)
-                     else max_tokens)
-            rows.append(_Row(conv.id, conv.category or UNCATEGORIZED, conv.messages, limit))
+    try:
+        with sources.open_source(path) as f:    # streamed, each line bounded: no file is held whole
+            for number, _, line in sources.text_lines(f, path):
+                skipped += _traffic_row(line, number, path, max_tokens, stats, rows)
+    except sources.DataError as err:
+        raise TrafficError(str(err)) from None
     return rows, skipped
 
 
-def _lines(f, path: Path):
-    """(number, text) of each line, each at most sources.MAX_LINE_BYTES and UTF-8, or a TrafficError naming it."""
-    number = 0
-    while raw := f.readline(sources.MAX_LINE_BYTES + 1):
-        number += 1
-        if len(raw) > sources.MAX_LINE_BYTES:
-            raise TrafficError(f"{path}:{number}: the line is more than {sources.MAX_LINE_BYTES >> 20} MiB: a request "
-                               "this long is refused (no context holds it); remove or split it")
-        try:
-            yield number, raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise TrafficError(f"{path}:{number}: not UTF-8 text (byte {raw[err.start]:#04x}); save the file as "
-                               "UTF-8") from None
+def _traffic_row(line: str, number: int, path: Path, max_tokens: int, stats, rows: list) -> int:
+    """Add the request on one line to `rows`: 0, or 1 when the line holds no prompt."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise TrafficError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno})") from None
+    if isinstance(record, dict) and not ({"prompt", "messages", "conversations"} & record.keys()):
+        return 1
+    try:
+        turns, rid, category = sources.record_turns(record, f"{path}:{number}")
+    except sources.DataError:
+        return 1
+    conv = sources.normalize(turns, rid if rid is not None else f"{path.stem}-{number}", stats, category)
+    if conv is None or not any(m["role"] == "user" for m in conv.messages):
+        return 1
+    limit = _record_max_tokens(record, f"{path}:{number}", max_tokens) if isinstance(record, dict) else max_tokens
+    rows.append(_Row(conv.id, conv.category or UNCATEGORIZED, conv.messages, limit))
+    return 0
 
 
 def load_traffic(tokenizer, source: str, limit: int, seed: int, max_tokens: int, context: int | None = None,

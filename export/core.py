@@ -23,8 +23,8 @@ import torch
 from draftsmith.heads.drafter import checkpoint_target, read_config, read_weights, target_path
 from draftsmith.heads.formats import ExportError, check_shapes, export_formats, formats_of, layout
 from draftsmith.heads.infra.device import resolve_device
-from draftsmith.heads.infra.files import (as_disk_full, current_umask, require_free_space, save_tensors,
-                                          swap_directory)
+from draftsmith.heads.infra.files import (DirectoryLock, as_disk_full, current_umask, require_free_space,
+                                          save_tensors, swap_directory)
 from draftsmith.heads.infra.outputs import EXPORT_MARK, checkpoint_around, export_manifest, holds
 from draftsmith.heads.runtime.target import TargetIdentity
 
@@ -64,6 +64,25 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
     writer = formats_of(kind)[fmt]
     weights = read_weights(checkpoint, config)
     check_weights(weights, config, str(checkpoint))
+    check_destination(checkpoint, out_dir, overwrite)       # before the lock writes its file beside out_dir
+    created = not out_dir.parent.exists()
+    lock = DirectoryLock(out_dir.parent, "export", name=f".{out_dir.name}.export-lock", subject=out_dir)
+    try:
+        with lock:              # one export into a folder at a time (they share its temporary folder)
+            _write(checkpoint, config, writer, weights, fmt, out_dir, dtype, overwrite, target_path, device,
+                   with_target, serving_report)
+    except BaseException:
+        if created and out_dir.parent.is_dir() and {p.name for p in out_dir.parent.iterdir()} <= {lock.name}:
+            (out_dir.parent / lock.name).unlink()
+            out_dir.parent.rmdir()               # no empty folder left behind
+        raise
+    return out_dir
+
+
+def _write(checkpoint: Path, config: dict, writer, weights: dict, fmt: str, out_dir: Path, dtype: str,
+           overwrite: bool, target_path: str | None, device: str, with_target: bool, serving_report) -> None:
+    """export()'s work, under the folder's lock (the destination checked again under it: the check before
+    and the lock are not one step)."""
     check_destination(checkpoint, out_dir, overwrite)
     needed = writer.needs_target(config) or target_path or with_target
     target = _target_for(config, target_path, dtype, device, layers=with_target) if needed else None
@@ -81,11 +100,11 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
     if with_target:
         size += sum(p.numel() for p in target.model.parameters()) * _dtype(dtype).itemsize
     require_free_space(out_dir, size + (1 << 20), "the export", "or choose another directory for it")
-    created = not out_dir.parent.exists()
     try:
         tmp.mkdir(parents=True)
+        written = sorted({*files, *tensors, *(["target"] if with_target else [])})
         files = {**files, EXPORT_MARK: {"format": fmt, "checkpoint": str(checkpoint.resolve()), "dtype": dtype,
-                                    "target": config["target"]}}
+                                        "target": config["target"], "files": written}}
         for name, content in files.items():
             (tmp / name).write_text(content if isinstance(content, str) else json.dumps(content, indent=2) + "\n")
         for filename, state in tensors.items():
@@ -95,16 +114,13 @@ def export(checkpoint: str | Path, fmt: str, out_dir: str | Path, dtype: str = "
             target.tokenizer.save_pretrained(tmp / "target")
             if writer.stitch is not None:        # the drafter is a layer of the target itself (MTP)
                 writer.stitch(tensors, tmp / "target")
-            for written in (tmp / "target").rglob("*.safetensors"):
-                os.chmod(written, 0o666 & ~current_umask())
+            for weights_file in (tmp / "target").rglob("*.safetensors"):
+                os.chmod(weights_file, 0o666 & ~current_umask())
         swap_directory(tmp, out_dir)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        if created and out_dir.parent.is_dir() and not any(out_dir.parent.iterdir()):
-            out_dir.parent.rmdir()           # no empty folder left behind
         raise as_disk_full(err, tmp, "the export", "free some space or choose another directory, then export "
                            "again (nothing was written)") from None
-    return out_dir
 
 
 def serving_note(report_path: str | Path, config: dict, writer) -> str:
@@ -255,6 +271,21 @@ def check_destination(checkpoint: Path, out_dir: Path, overwrite: bool) -> None:
                           + "; --overwrite only replaces an earlier export: choose a new or empty directory")
     if not overwrite:
         raise ExportError(f"'{out_dir}' holds an earlier export; pass --overwrite to replace it")
+    foreign = not_written_by_export(out_dir, manifest)
+    if foreign:
+        raise ExportError(f"'{out_dir}' holds an earlier export and also {', '.join(foreign[:5])}"
+                          + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+                          + ", which that export did not write; --overwrite replaces only what an export wrote: move "
+                          "them out of the folder, or export into a new directory")
+
+
+def not_written_by_export(out_dir: Path, manifest: dict) -> list[str]:
+    """The entries of an export folder its export did not write: those its manifest lists are its own (an
+    export made before the manifest listed them: any file, and the merged target's folder)."""
+    listed = manifest.get("files")
+    own = {EXPORT_MARK, *listed} if isinstance(listed, list) else None
+    return sorted(p.name for p in out_dir.iterdir()
+                  if not (p.name in own if own is not None else (p.is_file() or p.name == "target")))
 
 
 def _target_for(config: dict, target_path: str | None, dtype: str, device: str, layers: bool = False):

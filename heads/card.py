@@ -8,6 +8,7 @@ last_eval.json (the last evaluation and its conditions).  Nothing in it is typed
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -17,11 +18,13 @@ from draftsmith.heads.drafter import CONFIG_FILE, WEIGHTS_FILE, read_config, tar
 from draftsmith.heads.formats import formats_of
 from draftsmith.heads.infra import strict_yaml
 from draftsmith.heads.infra.files import write_atomic
+from draftsmith.heads.infra.kept import NUMBER, KeptFileError, read_kept_json
 from draftsmith.heads.infra.version import __version__
 from draftsmith.heads.registry import registry, trained_class
 from draftsmith.heads.runtime.assets import looks_like_hub_id
 
 CARD_FILE = "README.md"
+log = logging.getLogger(__name__)
 LAST_EVAL_FILE = "last_eval.json"
 HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}      # embedded targets: where they come from
 # what a pushed folder holds: the checkpoint without its resume state (optimizer, RNG)
@@ -52,7 +55,7 @@ def model_card(directory: Path) -> str:
     recipe = strict_yaml.load((directory / "recipe.yaml").read_text()) if (directory / "recipe.yaml").is_file() else {}
     progress_file = directory / "state" / "progress.json"
     progress = json.loads(progress_file.read_text()) if progress_file.is_file() else {}
-    last_eval = json.loads((directory / LAST_EVAL_FILE).read_text()) if (directory / LAST_EVAL_FILE).is_file() else None
+    last_eval = read_last_eval(directory)
     heldout = config.get("heldout", {})
     front = {"base_model": base_model(config), "library_name": "draftsmith",
              "tags": ["speculative-decoding", "draft-model", "draftsmith", kind]}
@@ -94,6 +97,33 @@ def _training_section(recipe: dict, progress: dict) -> list[str]:
                     ("batch size x accumulation", f"{train.get('batch_size')} x {train.get('grad_accum', 1)}"),
                     ("learning rate", train.get("lr")), ("steps done", progress.get("step", "-")),
                     ("training tokens seen", progress.get("tokens", "-")), ("seed", recipe.get("seed"))]), ""]
+
+
+LAST_EVAL_SHAPE = {"date": str, "tau": NUMBER, "per_position_acceptance": list, "speedup_vs_plain": NUMBER,
+                   "greedy_exact": bool, "exact_checked_prompts": int, "prompts": int, "prompts_source": str,
+                   "max_new_tokens": int, "temperature": NUMBER, "proposal": str, "dtype": str, "device": str}
+
+
+def read_last_eval(directory: Path, shape: dict = LAST_EVAL_SHAPE) -> dict | None:
+    """The checkpoint's last_eval.json (what `draftsmith eval` measured on it), or None when there is none or
+    it is damaged (said in the log: the card, bench and push then go without it).  shape: the keys the
+    caller reads, and their types."""
+    path = Path(directory) / LAST_EVAL_FILE
+    if not path.is_file():
+        return None
+    try:
+        report = read_kept_json(path, "the checkpoint's last evaluation", "It is left out; run `draftsmith eval` on "
+                                "the checkpoint to measure it again", shape)
+    except (OSError, KeptFileError) as err:
+        log.warning("%s", err)
+        return None
+    rates = report["per_position_acceptance"]
+    if not all(isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r <= 1 for r in rates):
+        log.warning("%s (the checkpoint's last evaluation) is damaged: its per-position acceptance is not a list "
+                    "of rates in [0, 1]. It is left out; run `draftsmith eval` on the checkpoint to measure it again",
+                    path)
+        return None
+    return report
 
 
 def _measured_section(heldout: dict, last_eval: dict | None) -> list[str]:

@@ -29,6 +29,7 @@ from torch import nn
 
 from draftsmith.heads.drafter import StepOutput, divide, term_denominators
 from draftsmith.heads.infra.files import write_atomic
+from draftsmith.heads.infra.kept import read_kept_json
 from draftsmith.heads.medusa import Medusa, MedusaConfig
 from draftsmith.heads.registry import register
 from draftsmith.heads.runtime.adapter import Adapter
@@ -138,7 +139,9 @@ class Medusa2(Medusa):
         """Resume: the LoRA weights saved in directory/adapter."""
         weights = load_file(str(Path(directory) / ADAPTER_DIR / "adapter_model.safetensors"))
         set_peft_model_state_dict(self.backbone, weights)
-        self.micro_steps = json.loads((Path(directory) / STATE_FILE).read_text())["micro_steps"]
+        self.micro_steps = read_kept_json(Path(directory) / STATE_FILE, "Medusa-2's LoRA warm-up position",
+                                          "Start without resume=true, or restore the file from a copy",
+                                          {"micro_steps": int})["micro_steps"]
 
     def param_groups(self, lr: float) -> list[dict]:
         """One optimizer, two learning rates: the heads at lr x heads_lr_scale, the LoRA at lr."""

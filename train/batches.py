@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import torch
 
 from draftsmith.data import features as feature_cache
-from draftsmith.data.distill import check_same_data, make_data, shard_paths
+from draftsmith.data.distill import check_same_data, make_data, read_manifest, shard_paths
 from draftsmith.data.features import CacheError, ShardReader
 from draftsmith.data.health import require_healthy
 from draftsmith.heads.registry import drafter_class, registry
@@ -82,7 +82,7 @@ def load_training_data(recipe, target: Target, layers=(), accelerator=None) -> T
         require_data_for_launch(recipe, processes)
         log.info("no data in %s yet: making it first", data_dir)
         make_recipe_data(recipe, target)
-    manifest = json.loads((data_dir / "manifest.json").read_text())
+    manifest = read_manifest(data_dir)
     TargetIdentity.from_dict(manifest["target"]).require_same(target.identity, f"the data in {data_dir}")
     check_same_data(data_dir, recipe.data, recipe.seed, target)     # trains on what the recipe describes
     require_healthy(data_dir, recipe.data)      # junk data is not trained on (data.allow_degenerate overrides)

@@ -12,6 +12,7 @@ import dataclasses
 import errno
 import json
 import logging
+import os
 import pickle
 import random
 import shutil
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 from draftsmith.heads.card import write_card  # in whole
 from draftsmith.heads.drafter import RESERVED, WEIGHTS_FILE, read_config, read_weights, save_drafter
 from draftsmith.heads.infra import outputs, strict_yaml
+from draftsmith.heads.infra.kept import read_kept_json
 from draftsmith.heads.infra.files import (StorageError, as_disk_full, free_bytes, human_size, require_writable,
                                           swap_directory)
 from draftsmith.heads.runtime.target import TargetIdentity
@@ -40,6 +42,9 @@ RESUME_FREE = {"resume", "overwrite", "output_dir", "eval", "train.max_steps", "
                "data.max_minutes", "target.device", "train.dist_timeout_minutes", "train.verify_cache",
                "train.loader_workers", "train.gradient_checkpointing", "train.allow_reshard"}
 
+NO_RESUME = ("This checkpoint cannot be resumed; its weights are whole: start without resume=true (overwrite=true "
+             "trains anew in its place, the old one set aside), or restore the file from a copy")
+
 
 def guard_output(recipe: Recipe) -> None:
     """Before any work: output_dir is not another verb's work (outputs.guard_output), it can be written, and
@@ -47,10 +52,31 @@ def guard_output(recipe: Recipe) -> None:
     outputs.guard_output(recipe.out, "train", "run", overwrite=True, foreign_ok=True)
     require_writable(recipe.out, "output_dir")
     checkpoint = recipe.out / "checkpoint"
+    if int(os.environ.get("RANK", "0")) == 0:
+        finish_interrupted_swap(checkpoint)
     if (checkpoint / WEIGHTS_FILE).is_file() and not recipe.resume and not recipe.overwrite:
         raise RecipeError(f"'{checkpoint}' already holds a trained drafter ({_steps(checkpoint)}): add resume=true "
                           "to continue training it, or overwrite=true to train a new one in its place, or choose "
                           "another output_dir")
+
+
+def finish_interrupted_swap(checkpoint: Path) -> None:
+    """A run killed while it replaced its checkpoint (heads/infra/files.py: swap_directory) leaves
+    `checkpoint.old/`: alone, it is the last checkpoint written, and is put back in place; beside a whole
+    `checkpoint/`, it is the one before, which the swap was removing.  Either way it is named in the log."""
+    old = checkpoint.with_name(checkpoint.name + ".old")
+    if not old.is_dir():
+        return
+    if (checkpoint / WEIGHTS_FILE).is_file():
+        log.warning("removing %s: the checkpoint before %s, left by a run stopped while it replaced it", old, checkpoint)
+        shutil.rmtree(old)
+    elif not checkpoint.exists() and (old / WEIGHTS_FILE).is_file():
+        old.rename(checkpoint)
+        log.warning("restored %s from %s: a run was stopped while it replaced its checkpoint (%s)", checkpoint, old,
+                    _steps(checkpoint))
+    else:
+        log.warning("%s is not a checkpoint this run can restore (%s holds no drafter weights); it is left as it "
+                    "is: move it away if it is not yours", old, old)
 
 
 def set_aside(checkpoint: Path) -> Path | None:
@@ -226,7 +252,8 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
     if diffs:
         raise ValueError(f"cannot resume from {found}: it was trained with a different recipe ("
                          + "; ".join(diffs) + "). Use the same settings, or another output_dir")
-    progress = json.loads((found / "state" / "progress.json").read_text())
+    progress = read_kept_json(found / "state" / "progress.json", "the checkpoint's training position",
+                              NO_RESUME, {"step": int})
     sharding, saved_sharding = sharding_of(accelerator), progress.pop("sharding", None)
     if sharding == "deepspeed" or saved_sharding == "deepspeed":
         raise ValueError(f"cannot resume {found} under DeepSpeed: its optimizer state is sharded in DeepSpeed's "
@@ -249,7 +276,8 @@ def load_state(directory: Path, recipe: Recipe, accelerator, model, optimizer, s
         optimizer.load_state_dict(load_state_file(found / "state" / "optimizer.pt"))
     drafter.load_adapter(found)
     drafter.metadata.update({k: v for k, v in read_config(found).items() if k not in RESERVED})
-    scheduler.load_state_dict(json.loads((found / "state" / "scheduler.json").read_text()))
+    scheduler.load_state_dict(read_kept_json(found / "state" / "scheduler.json", "the checkpoint's learning-rate "
+                                             "schedule", NO_RESUME, {"last_epoch": int}))
     rng_file = found / "state" / f"rng-{accelerator.process_index}.pt"
     if rng_file.is_file():
         restore_rank_rng(load_state_file(rng_file))

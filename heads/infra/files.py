@@ -174,10 +174,10 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def directory_lock_pid(directory: Path) -> int | None:
+def directory_lock_pid(directory: Path, name: str = ".lock") -> int | None:
     """The process id recorded in `directory`'s lock file (DirectoryLock), if any."""
     try:
-        return int((directory / ".lock").read_text().strip() or 0) or None
+        return int((directory / name).read_text().strip() or 0) or None
     except (OSError, ValueError):
         return None
 
@@ -190,19 +190,24 @@ class DirectoryLock:
     """An exclusive lock on a run directory (`.lock`, flock), held by one process at a time.
 
     Re-entrant within a process (the quickstart makes data and trains under one lock).  A second
-    process gets a StorageError naming the holder's process id."""
+    process gets a StorageError naming the holder's process id.  `name`: the lock file's name in `directory`
+    (another name locks something beside the directory's own work, e.g. one export folder in its parent)."""
 
-    def __init__(self, directory: str | Path, what: str):
-        self.directory, self.what = Path(directory), what
+    def __init__(self, directory: str | Path, what: str, name: str = ".lock", subject: str | Path | None = None):
+        self.directory, self.what, self.name = Path(directory), what, name
+        self.subject = subject or directory          # what the message names as busy
+
+    def _key(self) -> str:
+        return str(self.directory.resolve() / self.name)
 
     def __enter__(self):
         self.directory.mkdir(parents=True, exist_ok=True)
-        key = str(self.directory.resolve())
+        key = self._key()
         if key in _HELD:
             fd, depth = _HELD[key]
             _HELD[key] = (fd, depth + 1)
             return self
-        fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.directory / self.name, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -222,13 +227,13 @@ class DirectoryLock:
         return self
 
     def _busy(self) -> StorageError:
-        holder = directory_lock_pid(self.directory)
-        return StorageError(errno.EBUSY, f"'{self.directory}' is in use by another draftsmith process"
+        holder = directory_lock_pid(self.directory, self.name)
+        return StorageError(errno.EBUSY, f"'{self.subject}' is in use by another draftsmith process"
                             + (f" (pid {holder})" if holder else "")
                             + f"; wait for it to finish, or give this {self.what} another output_dir")
 
     def __exit__(self, *exc):
-        key = str(self.directory.resolve())
+        key = self._key()
         fd, depth = _HELD[key]
         if depth > 1:
             _HELD[key] = (fd, depth - 1)
