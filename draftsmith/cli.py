@@ -199,6 +199,7 @@ def _quickstart(recipe, start: float) -> dict:
     print(f"\ndata {data.tokens_per_second:.0f} tok/s, training {trained.tokens_per_second:.0f} tok/s, "
           f"peak memory {peak_gib:.1f} GiB, total {(time.time() - start) / 60:.1f} min; "
           f"wrote {recipe.out / 'eval.json'}")
+    print(f"\n{report.verdict['text']}", flush=True)      # the headline: on with this configuration, or off and why
     return report.to_dict()
 
 

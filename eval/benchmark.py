@@ -34,7 +34,9 @@ from . import engine_check
 from .drift import drift as target_drift
 from .engine_check import EngineCheck
 from .prompts import load_prompts, read_prompts
+from .decision import CALIBRATION_PROMPTS, decide
 from .proposal import configure_proposal, step_costs
+from .verdict import verdict
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,8 @@ class EvalReport:
     target_health: dict | None = None        # data/health.py figures of the target's own plain output here
     acceptance_by_context: list | None = None  # tau and a_j by the context length at each step (metrics.py)
     per_prompt: list[dict] = field(default_factory=list)
+    decision: dict | None = None             # the proposal chosen on this machine, plain among the choices (decision.py)
+    verdict: dict | None = None              # on or off here, with the interval the timed prompts support (verdict.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -191,12 +195,22 @@ def evaluate(checkpoint: str, options: EvalSettings, progress: bool = True) -> E
     target = checkpoint_target(config, dtype, device, target_path, options.adapter, device_map=options.device_map)
     drafter = load_drafter(checkpoint, target, options.require_checksum)
     drafter = drafter.to(target.dtype)          # fp32 beside a CPU float16 (packed) target
-    drafter = configure_proposal(drafter, target, options)
-    description = drafter.describe_proposal()
+    choosing = options.proposal == "default" and options.choose
+    base = drafter
+    if choosing:
+        drafter.set_proposal(chain=1)            # for the warm-up; the decision below sets the proposal
+    else:
+        drafter = configure_proposal(drafter, target, options)
     prompts = load_prompts(target, options.prompts, options.limit, options.max_new_tokens, options.long_prompts,
                            conversations)
     # warm-up: every mode once, untimed (first calls allocate, and on a GPU load kernels)
     run_modes(target, drafter, prompts[0][1][:32], dataclasses.replace(options, max_new_tokens=8), 0)
+    decision = None
+    if choosing:           # calibrated on the last prompts: the budget below times the first ones
+        decision, drafter = decide(base, target, options, prompts[-CALIBRATION_PROMPTS:])
+        if options.max_minutes:
+            options.max_minutes = max(options.max_minutes / 2, options.max_minutes - decision.seconds / 60)
+    description = drafter.describe_proposal()
     costs = step_costs(target, drafter, prompts[0][1])
     prompts, sizing = fit_budget(prompts, options, costs["target_forward_ms"] / 1000, dtype)
     if options.lookup:
@@ -239,6 +253,8 @@ def evaluate(checkpoint: str, options: EvalSettings, progress: bool = True) -> E
     report.sizing, report.target_forward_ms, report.draft_step_ms = (sizing, costs["target_forward_ms"],
                                                                      costs["draft_step_ms"])
     report.dtype = target.precision
+    report.decision = decision.to_dict() if decision is not None else None
+    report.verdict = verdict(report, report.decision)
     report.target_health = health.of_outputs(plain_outputs, options.max_new_tokens, target.eos_token_ids,
                                              target.tokenizer)
     if options.lookup:

@@ -53,13 +53,19 @@ def unconditional_from(conditional: list[float]) -> list[float]:
     return out
 
 
+def speedup(tokens_per_step: float, plain: float, verify: float, draft: float) -> float:
+    """S: the speedup over plain decoding of a proposal that commits `tokens_per_step` per verification, when
+    a plain step costs `plain`, a verification `verify` and a proposal `draft` (any one unit).  The one model
+    behind bench --predict and eval's choice of proposal (eval/decision.py)."""
+    return tokens_per_step * plain / (verify + draft)
+
+
 def speedups(profile: list[float], costs: CostTable) -> dict[int, dict[int, float]]:
     """S(b, K) for every measured b and every K the profile covers (K = 0 included: 1.0)."""
     out = {}
     for b, row in costs.verify_ms.items():
-        plain = row[0]
         draft = costs.draft_ms[b]
-        out[b] = {k: expected_tokens(profile, k) * plain / (row[k] + draft[k])
+        out[b] = {k: speedup(expected_tokens(profile, k), row[0], row[k], draft[k])
                   for k in sorted(row) if k <= len(profile) and k in draft}
     return out
 

@@ -69,6 +69,13 @@ def markdown(report: EvalReport) -> str:
     if report.cost_per_request:
         lines.append("- cost per request: " + ", ".join(f"{MODE_NAMES.get(m, m)} {c:.6f}"
                                                           for m, c in report.cost_per_request.items()))
+    if report.decision:
+        d = report.decision
+        lines.append(f"- proposal chosen on this machine ({d['calibration']}, {d['seconds']:.0f} s), predicted "
+                     "speedup by candidate: " + ", ".join(f"{c['proposal']} {c['predicted_speedup']:.2f}x"
+                                                          for c in d["candidates"]))
+    if report.verdict:
+        lines += ["", f"**Verdict: {report.verdict['text']}**"]
     return "\n".join(lines)
 
 

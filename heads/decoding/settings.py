@@ -66,6 +66,10 @@ class EvalSettings:
     """Refuse a checkpoint whose config.json records no weights checksum (by default: a warning)."""
     max_minutes: float | None = None
     """Fit the timed runs into this many minutes: prompts (then tokens) are cut from a measured forward cost."""
+    choose: bool = True
+    """With proposal=default: choose the proposal by predicted tokens per second on this machine, plain decoding
+    among the choices (chains, the drafter's tuned tree, each with the lookup off or on; eval/decision.py);
+    false: the drafter's own shape as tuned."""
     tree_depth_topk_total: tuple | None = field(default=None, init=False, repr=False)
     """Set by evaluation: the dynamic tree the tuner chose (the fp32 exactness check reuses it)."""
 

@@ -1,0 +1,161 @@
+"""Which proposal to decode with on this machine, plain decoding among the choices (docs/metrics.md, "The
+decision rule").
+
+Every candidate is priced with the one speedup model draftsmith has (eval/predict.py: `speedup`):
+
+    S = tokens per step x T(1) / (T(n) + D)
+
+from two measurements made here: the machine's cost curve T(n), a target forward over n new tokens (measured
+interleaved, made nondecreasing), and, for each candidate, a short calibration decode on the run's own prompts
+that gives its tokens per step, the tokens it puts in each verification (n), and D, what one proposal costs.
+The candidates: chains of 1 to the drafter's depth, the drafter's own tuned tree, each with the context
+lookup off or at each of its sizes, and plain decoding (S = 1).  The best predicted S wins; when none beats
+plain decoding, the decision is "off".
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from draftsmith.heads.decoding.settings import EvalSettings
+from draftsmith.heads.decoding.verifier import decode
+from draftsmith.heads.runtime.target import Target
+
+from .predict import speedup
+from .proposal import block_cost, configure_proposal, measure_proposal, nondecreasing
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_PROMPTS = 2
+CALIBRATION_TOKENS = 32          # per prompt and candidate
+
+
+@dataclass
+class Candidate:
+    """One proposal the rule prices: the eval settings that make it, and what calibration measured."""
+    settings: dict                       # proposal, chain_length, tree_size, lookup (EvalSettings fields)
+    description: str = ""
+    tokens_per_step: float = 1.0         # tokens each verification step commits (tau)
+    verified_tokens: float = 1.0         # tokens each verification step feeds the target (root included)
+    draft_ms: float = 0.0                # one proposal
+    predicted_speedup: float = 1.0       # S, against plain decoding on this machine
+
+    @property
+    def plain(self) -> bool:
+        return not self.settings
+
+
+@dataclass
+class Decision:
+    """The candidates priced, the one chosen, and the cost curve they were priced with."""
+    candidates: list[Candidate]
+    chosen: Candidate                    # the best speculative candidate (decoded and timed, even when off)
+    on: bool                             # whether it beats plain decoding by the prediction
+    forward_ms: dict[int, float]         # T(n), nondecreasing
+    calibration: str                     # which prompts and how many tokens
+    seconds: float = 0.0                 # what deciding cost
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"on": self.on, "chosen": self.chosen.description, "calibration": self.calibration,
+                "seconds": round(self.seconds, 1), "forward_ms": {n: round(ms, 2) for n, ms in self.forward_ms.items()},
+                "candidates": [{"proposal": c.description, "tokens_per_step": round(c.tokens_per_step, 3),
+                                "verified_tokens": round(c.verified_tokens, 2), "draft_ms": round(c.draft_ms, 2),
+                                "predicted_speedup": round(c.predicted_speedup, 3)} for c in self.candidates],
+                "notes": self.notes}
+
+
+def candidate_settings(drafter, target: Target, options: EvalSettings) -> list[dict]:
+    """The speculative candidates for this drafter and target: chains of 1..depth and the drafter's own
+    (tuned) shape, each with the lookup off or at each of its sizes (options.lookup: the largest)."""
+    drafter.set_proposal(chain=0)                        # 0: the drafter's own chain length
+    depth = max(1, int(getattr(drafter.tree, "depth", None) or getattr(drafter.tree, "max_depth", None) or 1))
+    depth = min(depth, getattr(drafter, "max_proposal_depth", None) or depth)     # MTP: the depths it trained
+    probe = with_settings(options, {"proposal": "default", "lookup": 0, "tree_size": options.tree_size})
+    configure_proposal(drafter, target, probe)           # its own shape, tuned here once (written into probe)
+    lookups = [0] if target.recurrent or not options.lookup else sorted({0, max(1, options.lookup // 2),
+                                                                         options.lookup})
+    shapes = [{"proposal": "chain", "chain_length": k, "tree_size": None, "tree_depth_topk_total": None}
+              for k in range(1, depth + 1)]
+    if not target.recurrent and (drafter.static_tree or drafter.dynamic_tree):
+        shapes.append({"proposal": "default", "chain_length": None, "tree_size": probe.tree_size,
+                       "tree_depth_topk_total": probe.tree_depth_topk_total})
+    return [{**shape, "lookup": lookup} for shape in shapes for lookup in lookups]
+
+
+class _Recorder:
+    """A proposer that counts the tokens of each proposal it hands the verifier (the drafter's and the
+    lookup's together), and passes everything else through."""
+
+    def __init__(self, proposer):
+        self.proposer, self.sizes = proposer, []
+
+    def __getattr__(self, name):
+        if name == "proposer":
+            raise AttributeError(name)
+        return getattr(self.proposer, name)
+
+    def propose(self, context):
+        tree = self.proposer.propose(context)
+        self.sizes.append(int(tree.size))
+        return tree
+
+
+def decide(drafter, target: Target, options: EvalSettings, prompts: list[tuple[str, list[int]]],
+           calibration_tokens: int = CALIBRATION_TOKENS) -> tuple[Decision, object]:
+    """Price every candidate (module docstring) on `prompts` (at most CALIBRATION_PROMPTS are decoded).
+    The chosen candidate's settings are written into `options` (so the fp32 exactness check decodes it too);
+    returns the decision and the proposer to decode with (the drafter set to it, with the lookup if any)."""
+    started = time.perf_counter()
+    used = prompts[:CALIBRATION_PROMPTS]
+    measured = []
+    for settings in candidate_settings(drafter, target, options):
+        trial = with_settings(options, settings)
+        recorder = _Recorder(configure_proposal(drafter, target, trial))
+        accepted, sizes = [], []
+        for index, (_, prompt) in enumerate(used):
+            recorder.sizes = []
+            generator = torch.Generator(device=target.device).manual_seed(options.seed + index)
+            run = decode(target, prompt, calibration_tokens, recorder, options.temperature, options.top_p,
+                         options.rule, generator=generator)
+            accepted += run.accepted
+            sizes += recorder.sizes
+        tokens = sum(a + 1 for a in accepted) / max(1, len(accepted))
+        verified = 1 + sum(sizes) / max(1, len(sizes))
+        draft = measure_proposal(target, recorder.proposer, used[0][1])
+        description = recorder.proposer.describe_proposal()
+        if any(c.description == description for c in measured):
+            continue                                     # the tuned tree is one of the chains
+        measured.append(Candidate(settings, description, tokens, verified, draft * 1000))
+    sizes = sorted({1} | {math.ceil(c.verified_tokens) for c in measured})
+    curve = nondecreasing(block_cost(target, sizes))
+    plain = Candidate({}, "plain decoding", 1.0, 1.0, 0.0, 1.0)
+    for c in measured:
+        c.predicted_speedup = speedup(c.tokens_per_step, curve[1], curve[math.ceil(c.verified_tokens)],
+                                      c.draft_ms / 1000)
+    best = max(measured, key=lambda c: c.predicted_speedup)
+    on = best.predicted_speedup > 1.0
+    for key, value in best.settings.items():
+        setattr(options, key, value)
+    proposer = configure_proposal(drafter, target, options)
+    decision = Decision([plain, *measured], best, on, {n: s * 1000 for n, s in curve.items()},
+                        f"{len(used)} of the run's prompts x {calibration_tokens} tokens per candidate",
+                        time.perf_counter() - started)
+    if not on:
+        decision.notes.append("no proposal is predicted to beat plain decoding on this machine: the best one is "
+                              "still decoded and timed, so the report measures what it would give")
+    log.info("proposal: %s (predicted %.2fx plain; %s)", best.description if on else "off (plain decoding)",
+             best.predicted_speedup, ", ".join(f"{c.description} {c.predicted_speedup:.2f}x" for c in measured))
+    return decision, proposer
+
+
+def with_settings(options: EvalSettings, settings: dict) -> EvalSettings:
+    """A copy of `options` with a candidate's settings (tree_depth_topk_total is not an init field)."""
+    trial = dataclasses.replace(options, **{k: v for k, v in settings.items() if k != "tree_depth_topk_total"})
+    trial.tree_depth_topk_total = settings.get("tree_depth_topk_total")
+    return trial

@@ -1,0 +1,144 @@
+"""The decision rule (eval/decision.py: plain decoding among the choices) and the verdict every evaluation
+ends with (eval/verdict.py), issue 58.
+
+The rule is tested against cost curves given to it (a steep one, where no proposal pays, and flat ones, where
+a chain does) with a drafter whose acceptance is known (the oracle: every draft accepted); the verdict against
+timed prompts whose ratios are known; and both through the real `eval` CLI on a tiny target.
+"""
+import json
+from types import SimpleNamespace
+
+import pytest
+from conftest import OracleDrafter, medusa_checkpoint
+from draftsmith.eval import decision as decision_module
+from draftsmith.eval.verdict import pairs_of, speedup_interval, verdict
+from draftsmith.heads.decoding.settings import EvalSettings
+
+
+class OracleChain(OracleDrafter):
+    """The oracle as an eval drafter: chains of any length up to 3, every draft accepted."""
+
+    static_tree = dynamic_tree = False
+
+    def __init__(self, target):
+        super().__init__(target, 3)
+        self.set_proposal(chain=3)
+
+    def set_proposal(self, chain=None, **shape):
+        self.depth = chain or 3
+        self.tree = SimpleNamespace(depth=self.depth)
+
+    def describe_proposal(self):
+        return f"chain of {self.depth}"
+
+
+def priced(monkeypatch, curve_ms, draft_ms=1.0):
+    """The machine's cost curve T(n) and the proposal's cost D, as given (seconds)."""
+    monkeypatch.setattr(decision_module, "block_cost", lambda target, sizes: {n: curve_ms(n) / 1000 for n in sizes})
+    monkeypatch.setattr(decision_module, "measure_proposal", lambda *a, **k: draft_ms / 1000)
+
+
+def decide(tiny_target, prompts, options=None):
+    options = options or EvalSettings(max_new_tokens=16)
+    decided, proposer = decision_module.decide(OracleChain(tiny_target), tiny_target, options,
+                                               [(f"p{i}", p) for i, p in enumerate(prompts)], calibration_tokens=16)
+    return decided, proposer, options
+
+
+@pytest.fixture
+def calibration_prompts(tiny_target):
+    from conftest import prompts
+    return prompts(tiny_target, count=2, length=8)
+
+
+def test_a_steep_cost_curve_makes_plain_decoding_the_choice(tiny_target, calibration_prompts, monkeypatch):
+    """A forward over n tokens costing n times one: even every draft accepted cannot pay for its proposal."""
+    priced(monkeypatch, lambda n: 10.0 * n)
+    decided, _, options = decide(tiny_target, calibration_prompts)
+    assert not decided.on
+    plain, *chains = decided.candidates
+    assert plain.description == "plain decoding" and plain.predicted_speedup == 1.0
+    assert [c.description for c in chains] == ["chain of 1", "chain of 2", "chain of 3"]
+    for c in chains:                                     # the oracle: k + 1 tokens a step, short only at the end
+        k = c.settings["chain_length"]
+        assert c.tokens_per_step == pytest.approx(k + 1, rel=0.25) and c.verified_tokens == k + 1
+        assert c.predicted_speedup < 1.0
+    assert "no proposal is predicted to beat plain decoding" in decided.notes[0]
+    assert options.proposal == "chain"                  # the best speculative one is still decoded and timed
+
+
+@pytest.mark.parametrize("curve, best", [
+    (lambda n: 10.0, 3),                                  # verification is flat: the deepest chain
+    (lambda n: 10.0 if n <= 2 else 100.0, 1),             # only two tokens verify cheaply: a chain of 1
+])
+def test_a_flat_cost_curve_makes_a_chain_the_choice(tiny_target, calibration_prompts, monkeypatch, curve, best):
+    priced(monkeypatch, curve)
+    decided, proposer, options = decide(tiny_target, calibration_prompts)
+    assert decided.on and decided.chosen.settings["chain_length"] == best
+    assert options.proposal == "chain" and options.chain_length == best and proposer.depth == best
+    ranked = sorted(decided.candidates[1:], key=lambda c: -c.predicted_speedup)
+    assert ranked[0] is decided.chosen
+    expected = decided.chosen.tokens_per_step * curve(1) / (curve(best + 1) + 1.0)     # S = E T(1) / (T(n) + D)
+    assert decided.chosen.predicted_speedup == pytest.approx(expected)
+
+
+def timed(ratio_by_prompt):
+    """Per-prompt rows as evaluate keeps them: plain at 100 tok/s, speculative at `ratio` times that."""
+    return [{"mode_tokens": {"plain": 100, "speculative": 100}, "seconds": {"plain": 1.0, "speculative": 1.0 / r}}
+            for r in ratio_by_prompt]
+
+
+def report_of(rows, exact=True, proposal="chain of 2"):
+    total = sum(r["seconds"]["plain"] for r in rows) / sum(r["seconds"]["speculative"] for r in rows)
+    return SimpleNamespace(speedup_vs_plain=total, per_prompt=rows, prompts=len(rows), greedy_exact=exact,
+                           temperature=0.0, proposal=proposal, tau=1.4)
+
+
+DECIDED_OFF = {"on": False, "chosen": "chain of 2", "forward_ms": {"1": 50.0, "3": 90.0},
+               "candidates": [{"proposal": "plain decoding", "verified_tokens": 1.0, "draft_ms": 0.0},
+                              {"proposal": "chain of 2", "verified_tokens": 3.0, "draft_ms": 5.0}]}
+
+
+@pytest.mark.parametrize("ratios, decided, exact, word, reason", [
+    ([1.3, 1.25, 1.35, 1.3], None, True, "ON", "switch speculative decoding on here with chain of 2"),
+    ([0.8, 0.85, 0.75, 0.8], DECIDED_OFF, True, "OFF", "it is slower than plain decoding"),
+    ([0.7, 1.4, 0.8, 1.3], None, True, "OFF", "no measurable gain"),
+    ([1.3, 1.25, 1.35], None, True, "OFF", "too few to tell"),
+    ([1.3, 1.25, 1.35, 1.3], None, False, "OFF", "NOT exact"),
+    ([1.3, 1.25, 1.35, 1.3], DECIDED_OFF, True, "ON", "the measurement, not the prediction, decides"),
+])
+def test_the_verdict_follows_the_measured_interval(ratios, decided, exact, word, reason):
+    said = verdict(report_of(timed(ratios), exact), decided)
+    assert said["text"].startswith(f"{word}:") and reason in said["text"], said["text"]
+    low, high = said["interval"]
+    assert min(ratios) - 1e-9 <= low <= said["speedup"] <= high <= max(ratios) + 1e-9
+    if word == "OFF" and decided:
+        needed = said["break_even"]["tokens_per_step_needed"]
+        assert needed == pytest.approx((90.0 + 5.0) / 50.0) and "Break-even" in said["text"]
+        assert said["break_even"]["predicted_where_verification_is_flat"] == pytest.approx(1.4 * 50 / 55)
+
+
+def test_the_interval_narrows_with_agreeing_prompts():
+    wide = speedup_interval(pairs_of(timed([0.7, 1.4, 0.8, 1.3])), 0)
+    narrow = speedup_interval(pairs_of(timed([1.04, 1.05, 1.06, 1.05])), 0)
+    assert wide[1] - wide[0] > 5 * (narrow[1] - narrow[0])
+
+
+@pytest.mark.parametrize("curve, word", [(lambda n: 10.0 * n, "OFF")])
+def test_eval_prints_the_decision_and_a_verdict(tiny_target, tmp_path, capsys, monkeypatch, curve, word):
+    """Through the real CLI: the decision's candidates in eval.json and the report, the verdict last."""
+    from draftsmith.cli import main
+    medusa_checkpoint(tiny_target, tmp_path / "ckpt", num_heads=2, lm_head="own")
+    monkeypatch.setattr(decision_module, "block_cost", lambda target, sizes: {n: curve(n) / 1000 for n in sizes})
+    code = main(["eval", str(tmp_path / "ckpt"), "--prompts", "mt-bench", "--limit", "4", "--max-new-tokens", "12",
+                 "--lookup", "2", "--dtype", "float32", "--exact-prompts", "1", "--json", str(tmp_path / "e.json")])
+    out = capsys.readouterr().out
+    assert code == 0
+    report = json.loads((tmp_path / "e.json").read_text())
+    proposals = [c["proposal"] for c in report["decision"]["candidates"]]
+    assert proposals[0] == "plain decoding" and "chain of 1" in proposals
+    assert any("context lookup of 1" in p for p in proposals) and any("context lookup of 2" in p for p in proposals)
+    assert any(p.startswith("static tree") or p.startswith("chain of 2 +") for p in proposals)
+    assert not report["decision"]["on"] and report["verdict"]["decision"] == "off"
+    assert "Break-even" in report["verdict"]["text"]
+    assert out.rstrip().splitlines()[-3].startswith(f"**Verdict: {word}:") or f"**Verdict: {word}:" in out
