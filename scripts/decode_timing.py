@@ -6,7 +6,8 @@ transformers' generate, repeated in rounds, then a profile of one plain decode.
 Each round times, on new prompts of new lengths (as real traffic has), (a) a one-token forward after 200 cached tokens
 (`block_cost`), (b) `decode()` without a drafter, (c) `generate`. If (b) costs much more per token than
 (a), the difference is per-step overhead outside the forward (masks, host copies, host syncs), and the
-profile names it. On CUDA the first visit of each new sequence length costs more than later ones
+profile names it. Then the cost curve of a forward over n tokens is printed beside this machine's limit
+(the weights' bytes over the measured read bandwidth, the FLOPs over the measured GEMM rate). On CUDA the first visit of each new sequence length costs more than later ones
 (measured on an H200: see docs/gpu.md), so only rounds after the first compare like with like.
 `--random-weights` builds the target's architecture with random weights (timing does
 not depend on the weights; it needs only the target's config and tokenizer). Prompts are random token ids.
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.eval import machine_limits
 from draftsmith.eval.benchmark import time_generate
 from draftsmith.eval.proposal import block_cost
 from draftsmith.heads.decoding.verifier import decode
@@ -94,6 +96,12 @@ def main():
             steps, seconds = sum(run.forwards for run in runs), sum(run.seconds for run in runs)
             line += f" | eagle3 {args.eagle3_tree}: {seconds / steps * 1000:6.1f} ms per verification step"
         print(line, flush=True)
+    sizes = [1, 2, 4, 8, 16, 32]
+    measured = block_cost(target, sizes)
+    bandwidth, flops = machine_limits.memory_bandwidth(target.device), machine_limits.gemm_rate(target.device)
+    print("\nthe cost curve against this machine's limit (eval/machine_limits.py):")
+    print(machine_limits.table(measured, machine_limits.bounds(target.model, sizes, bandwidth, flops), bandwidth,
+                               flops, machine_limits.linear_weights(target.model)[1]), flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if target.device.type == "cuda" else [])
