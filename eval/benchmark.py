@@ -34,7 +34,7 @@ from . import engine_check
 from .drift import drift as target_drift
 from .engine_check import EngineCheck
 from .prompts import load_prompts, read_prompts
-from .decision import CALIBRATION_PROMPTS, decide
+from .decision import CALIBRATION_PROMPTS, decide, price_forced
 from .proposal import configure_proposal, step_costs
 from .verdict import verdict
 
@@ -205,11 +205,14 @@ def evaluate(checkpoint: str, options: EvalSettings, progress: bool = True) -> E
                            conversations)
     # warm-up: every mode once, untimed (first calls allocate, and on a GPU load kernels)
     run_modes(target, drafter, prompts[0][1][:32], dataclasses.replace(options, max_new_tokens=8), 0)
-    decision = None
-    if choosing:           # calibrated on the last prompts: the budget below times the first ones
-        decision, drafter = decide(base, target, options, prompts[-CALIBRATION_PROMPTS:])
-        if options.max_minutes:
-            options.max_minutes = max(options.max_minutes / 2, options.max_minutes - decision.seconds / 60)
+    heldout = (config.get("heldout") or {}).get("heldout/agreement")
+    # calibrated on the last prompts: the budget below times the first ones
+    if choosing:
+        decision, drafter = decide(base, target, options, prompts[-CALIBRATION_PROMPTS:], heldout=heldout)
+    else:
+        decision = price_forced(drafter, target, options, prompts[-CALIBRATION_PROMPTS:], heldout=heldout)
+    if options.max_minutes:
+        options.max_minutes = max(options.max_minutes / 2, options.max_minutes - decision.seconds / 60)
     description = drafter.describe_proposal()
     costs = step_costs(target, drafter, prompts[0][1])
     prompts, sizing = fit_budget(prompts, options, costs["target_forward_ms"] / 1000, dtype)

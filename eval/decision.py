@@ -26,13 +26,14 @@ from draftsmith.heads.decoding.settings import EvalSettings
 from draftsmith.heads.decoding.verifier import decode
 from draftsmith.heads.runtime.target import Target
 
-from .predict import speedup
+from .predict import speedup, unconditional_from
 from .proposal import block_cost, configure_proposal, measure_proposal, nondecreasing
 
 log = logging.getLogger(__name__)
 
 CALIBRATION_PROMPTS = 2
 CALIBRATION_TOKENS = 32          # per prompt and candidate
+MIN_STEPS = 8                    # fewer verification steps measure no acceptance
 
 
 @dataclass
@@ -60,9 +61,10 @@ class Decision:
     calibration: str                     # which prompts and how many tokens
     seconds: float = 0.0                 # what deciding cost
     notes: list[str] = field(default_factory=list)
+    forced: bool = False                 # the user's own proposal, priced only (price_forced)
 
     def to_dict(self) -> dict:
-        return {"on": self.on, "chosen": self.chosen.description, "calibration": self.calibration,
+        return {"on": self.on, "forced": self.forced, "chosen": self.chosen.description, "calibration": self.calibration,
                 "seconds": round(self.seconds, 1), "forward_ms": {n: round(ms, 2) for n, ms in self.forward_ms.items()},
                 "candidates": [{"proposal": c.description, "tokens_per_step": round(c.tokens_per_step, 3),
                                 "verified_tokens": round(c.verified_tokens, 2), "draft_ms": round(c.draft_ms, 2),
@@ -106,38 +108,66 @@ class _Recorder:
         return tree
 
 
-def decide(drafter, target: Target, options: EvalSettings, prompts: list[tuple[str, list[int]]],
-           calibration_tokens: int = CALIBRATION_TOKENS) -> tuple[Decision, object]:
-    """Price every candidate (module docstring) on `prompts` (at most CALIBRATION_PROMPTS are decoded).
-    The chosen candidate's settings are written into `options` (so the fp32 exactness check decodes it too);
-    returns the decision and the proposer to decode with (the drafter set to it, with the lookup if any)."""
-    started = time.perf_counter()
-    used = prompts[:CALIBRATION_PROMPTS]
-    measured = []
-    for settings in candidate_settings(drafter, target, options):
-        trial = with_settings(options, settings)
-        recorder = _Recorder(configure_proposal(drafter, target, trial))
-        accepted, sizes = [], []
-        for index, (_, prompt) in enumerate(used):
-            recorder.sizes = []
-            generator = torch.Generator(device=target.device).manual_seed(options.seed + index)
-            run = decode(target, prompt, calibration_tokens, recorder, options.temperature, options.top_p,
-                         options.rule, generator=generator)
-            accepted += run.accepted
-            sizes += recorder.sizes
-        tokens = sum(a + 1 for a in accepted) / max(1, len(accepted))
-        verified = 1 + sum(sizes) / max(1, len(sizes))
-        draft = measure_proposal(target, recorder.proposer, used[0][1])
-        description = recorder.proposer.describe_proposal()
-        if any(c.description == description for c in measured):
-            continue                                     # the tuned tree is one of the chains
-        measured.append(Candidate(settings, description, tokens, verified, draft * 1000))
-    sizes = sorted({1} | {math.ceil(c.verified_tokens) for c in measured})
-    curve = nondecreasing(block_cost(target, sizes))
-    plain = Candidate({}, "plain decoding", 1.0, 1.0, 0.0, 1.0)
-    for c in measured:
+def calibrate(proposer, target: Target, options: EvalSettings, prompts: list, tokens: int, settings: dict,
+              heldout: list[float] | None, notes: list[str]) -> Candidate:
+    """One candidate's tokens per step, tokens per verification and proposal cost, from a short decode of
+    `prompts`.  Too few steps to measure (prompts that stop at once): a chain is priced from the held-out
+    agreement instead, said in `notes`; anything else is priced as committing one token a step."""
+    recorder = _Recorder(proposer)
+    accepted, sizes = [], []
+    for index, (_, prompt) in enumerate(prompts):
+        recorder.sizes = []
+        generator = torch.Generator(device=target.device).manual_seed(options.seed + index)
+        run = decode(target, prompt, tokens, recorder, options.temperature, options.top_p, options.rule,
+                     generator=generator)
+        accepted += run.accepted
+        sizes += recorder.sizes
+    per_step = sum(a + 1 for a in accepted) / max(1, len(accepted))
+    verified = 1 + sum(sizes) / max(1, len(sizes))
+    description = proposer.describe_proposal()
+    if len(accepted) < MIN_STEPS:
+        chain = settings.get("chain_length") if settings.get("proposal") == "chain" else None
+        if chain and heldout and not settings.get("lookup"):
+            per_step = 1 + sum(unconditional_from(heldout)[:chain])
+            notes.append(f"{description}: the calibration prompts gave {len(accepted)} verification steps, too few "
+                         f"to measure acceptance (at least {MIN_STEPS}); priced from the held-out agreement of "
+                         "training instead")
+        else:
+            per_step = 1.0
+            notes.append(f"{description}: the calibration prompts gave {len(accepted)} verification steps, too few "
+                         f"to measure acceptance (at least {MIN_STEPS}), and no held-out rate prices it: counted as "
+                         "one token a step")
+        verified = max(verified, 1 + (settings.get("chain_length") or 1))
+    draft = measure_proposal(target, proposer, prompts[0][1])
+    return Candidate(settings, description, per_step, verified, draft * 1000)
+
+
+def price(candidates: list[Candidate], target: Target) -> dict[int, float]:
+    """Each candidate's predicted speedup from this machine's cost curve; returns the curve (seconds)."""
+    curve = nondecreasing(block_cost(target, sorted({1} | {math.ceil(c.verified_tokens) for c in candidates})))
+    for c in candidates:
         c.predicted_speedup = speedup(c.tokens_per_step, curve[1], curve[math.ceil(c.verified_tokens)],
                                       c.draft_ms / 1000)
+    return curve
+
+
+def decide(drafter, target: Target, options: EvalSettings, prompts: list[tuple[str, list[int]]],
+           calibration_tokens: int = CALIBRATION_TOKENS, heldout: list[float] | None = None
+           ) -> tuple[Decision, object]:
+    """Price every candidate (module docstring) on `prompts` (at most CALIBRATION_PROMPTS are decoded).
+    The chosen candidate's settings are written into `options` (so the fp32 exactness check decodes it too);
+    returns the decision and the proposer to decode with (the drafter set to it, with the lookup if any).
+    heldout: the checkpoint's held-out agreement per position, the fallback where calibration is too short."""
+    started = time.perf_counter()
+    used, notes = prompts[:CALIBRATION_PROMPTS], []
+    measured = []
+    for settings in candidate_settings(drafter, target, options):
+        proposer = configure_proposal(drafter, target, with_settings(options, settings))
+        if any(c.description == proposer.describe_proposal() for c in measured):
+            continue                                     # the tuned tree is one of the chains
+        measured.append(calibrate(proposer, target, options, used, calibration_tokens, settings, heldout, notes))
+    curve = price(measured, target)
+    plain = Candidate({}, "plain decoding", 1.0, 1.0, 0.0, 1.0)
     best = max(measured, key=lambda c: c.predicted_speedup)
     on = best.predicted_speedup > 1.0
     for key, value in best.settings.items():
@@ -145,13 +175,32 @@ def decide(drafter, target: Target, options: EvalSettings, prompts: list[tuple[s
     proposer = configure_proposal(drafter, target, options)
     decision = Decision([plain, *measured], best, on, {n: s * 1000 for n, s in curve.items()},
                         f"{len(used)} of the run's prompts x {calibration_tokens} tokens per candidate",
-                        time.perf_counter() - started)
+                        time.perf_counter() - started, notes)
     if not on:
         decision.notes.append("no proposal is predicted to beat plain decoding on this machine: the best one is "
                               "still decoded and timed, so the report measures what it would give")
     log.info("proposal: %s (predicted %.2fx plain; %s)", best.description if on else "off (plain decoding)",
              best.predicted_speedup, ", ".join(f"{c.description} {c.predicted_speedup:.2f}x" for c in measured))
+    for note in notes:
+        log.warning("%s", note)
     return decision, proposer
+
+
+def price_forced(proposer, target: Target, options: EvalSettings, prompts: list[tuple[str, list[int]]],
+                 calibration_tokens: int = CALIBRATION_TOKENS, heldout: list[float] | None = None) -> Decision:
+    """The rule's prediction for a proposal the user forced (--chain, --tree, --lookup): it is run as asked,
+    and the verdict says when the rule predicts it loses."""
+    started = time.perf_counter()
+    used, notes = prompts[:CALIBRATION_PROMPTS], []
+    settings = {"proposal": options.proposal, "chain_length": options.chain_length, "lookup": options.lookup}
+    forced = calibrate(proposer, target, options, used, calibration_tokens, settings, heldout, notes)
+    curve = price([forced], target)
+    decision = Decision([Candidate({}, "plain decoding", 1.0, 1.0, 0.0, 1.0), forced], forced,
+                        forced.predicted_speedup > 1.0, {n: s * 1000 for n, s in curve.items()},
+                        f"{len(used)} of the run's prompts x {calibration_tokens} tokens (the proposal as asked)",
+                        time.perf_counter() - started, notes)
+    decision.forced = True
+    return decision
 
 
 def with_settings(options: EvalSettings, settings: dict) -> EvalSettings:

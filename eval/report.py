@@ -71,9 +71,10 @@ def markdown(report: EvalReport) -> str:
                                                           for m, c in report.cost_per_request.items()))
     if report.decision:
         d = report.decision
-        lines.append(f"- proposal chosen on this machine ({d['calibration']}, {d['seconds']:.0f} s), predicted "
-                     "speedup by candidate: " + ", ".join(f"{c['proposal']} {c['predicted_speedup']:.2f}x"
-                                                          for c in d["candidates"]))
+        head = "proposal as asked, priced" if d.get("forced") else "proposal chosen on this machine"
+        lines.append(f"- {head} ({d['calibration']}, {d['seconds']:.0f} s), predicted speedup: "
+                     + ", ".join(f"{c['proposal']} {c['predicted_speedup']:.2f}x" for c in d["candidates"]))
+        lines += [f"  - {note}" for note in d.get("notes", [])]
     if report.verdict:
         lines += ["", f"**Verdict: {report.verdict['text']}**"]
     return "\n".join(lines)

@@ -52,6 +52,10 @@ def verdict(report, decision: dict | None, seed: int = 0) -> dict:
         reason = f"{rule} (more prompts, eval limit=N, may show one)"
     out.update(decision="off", text=f"OFF: keep plain decoding here; {reason}. Measured with {report.proposal}: "
                                     f"{span}.")
+    if decision and decision.get("forced") and not decision["on"]:
+        predicted = decision["candidates"][-1]["predicted_speedup"]
+        out["text"] += (f" The proposal was run as asked; the decision rule predicts it loses here ({predicted:.2f}x "
+                        "plain decoding): without --chain, --tree or --lookup, eval chooses one by this machine's costs.")
     out["break_even"] = break_even(report, decision)
     if out["break_even"]:
         out["text"] += " " + out["break_even"]["text"]

@@ -142,3 +142,30 @@ def test_eval_prints_the_decision_and_a_verdict(tiny_target, tmp_path, capsys, m
     assert not report["decision"]["on"] and report["verdict"]["decision"] == "off"
     assert "Break-even" in report["verdict"]["text"]
     assert out.rstrip().splitlines()[-3].startswith(f"**Verdict: {word}:") or f"**Verdict: {word}:" in out
+
+
+def test_calibration_too_short_falls_back_to_held_out_agreement(tiny_target, calibration_prompts, monkeypatch):
+    """Prompts that stop at once measure no acceptance: a chain is priced from training's held-out agreement,
+    said in a note naming the fallback."""
+    priced(monkeypatch, lambda n: 10.0)
+    options = EvalSettings(max_new_tokens=16)
+    decided, _ = decision_module.decide(OracleChain(tiny_target), tiny_target, options,
+                                        [(f"p{i}", p) for i, p in enumerate(calibration_prompts)],
+                                        calibration_tokens=3, heldout=[0.5, 0.5, 0.5])
+    chains = {c.settings["chain_length"]: c for c in decided.candidates[1:]}
+    assert chains[1].tokens_per_step == pytest.approx(1.5) and chains[3].tokens_per_step == pytest.approx(1.875)
+    assert any("too few to measure acceptance" in n and "held-out agreement" in n for n in decided.notes)
+
+
+def test_a_forced_proposal_the_rule_predicts_to_lose_is_run_and_said_to_lose(tiny_target, tmp_path, capsys,
+                                                                             monkeypatch):
+    from draftsmith.cli import main
+    medusa_checkpoint(tiny_target, tmp_path / "ckpt", num_heads=2, lm_head="own")
+    monkeypatch.setattr(decision_module, "block_cost", lambda target, sizes: {n: 10.0 * n / 1000 for n in sizes})
+    code = main(["eval", str(tmp_path / "ckpt"), "--prompts", "mt-bench", "--limit", "4", "--max-new-tokens", "12",
+                 "--chain", "2", "--dtype", "float32", "--exact-prompts", "1", "--json", str(tmp_path / "e.json")])
+    assert code == 0
+    report = json.loads((tmp_path / "e.json").read_text())
+    assert report["proposal"] == "chain of 2" and report["decision"]["forced"] and not report["decision"]["on"]
+    assert "run as asked; the decision rule predicts it loses here" in report["verdict"]["text"]
+    assert "proposal as asked, priced" in capsys.readouterr().out
