@@ -1,12 +1,12 @@
 # The two commands a new user types (each does its own set-up):
 #   make demo   the main job on the embedded default target: data, training, evaluation
-#   make test   the test suite (what .ci/run calls)
+#   make test   the test suite's default run (what .ci/run calls first; then make test-heavy)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.draftsmith-installed
 
-.PHONY: demo test test-fast test-wheel setup clean
+.PHONY: demo test test-heavy test-fast test-wheel setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,7 +31,12 @@ demo: $(STAMP)
 # Two workers (pytest-xdist), one thread each; the default target's tests share one worker
 # (xdist_group "default-target"), whose session fixtures are built once.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not heavy" tests
+
+# The tests marked heavy (end-to-end runs of minutes each: bench and predict through vLLM, the GPU
+# check's CPU mode); CI runs them after `make test`.
+test-heavy: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m heavy tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not serving and not multiprocess and not gpu" tests

@@ -8,8 +8,8 @@ Every candidate is priced with the one speedup model draftsmith has (eval/predic
 from two measurements made here: the machine's cost curve T(n), a target forward over n new tokens (measured
 interleaved, made nondecreasing), and, for each candidate, a short calibration decode on the run's own prompts
 that gives its tokens per step, the tokens it puts in each verification (n), and D, what one proposal costs.
-The candidates: chains of 1 to the drafter's depth, the drafter's own tuned tree, each with the context
-lookup off or at each of its sizes, and plain decoding (S = 1).  The best predicted S wins; when none beats
+The candidates: chains of 1 to the drafter's depth (longer ones while they commit more a step), the
+drafter's own tuned tree, each with the context lookup off and on, and plain decoding (S = 1).  The best predicted S wins; when none beats
 plain decoding, the decision is "off".
 """
 from __future__ import annotations
@@ -74,14 +74,13 @@ class Decision:
 
 def candidate_settings(drafter, target: Target, options: EvalSettings) -> list[dict]:
     """The speculative candidates for this drafter and target: chains of 1..depth and the drafter's own
-    (tuned) shape, each with the lookup off or at each of its sizes (options.lookup: the largest)."""
+    (tuned) shape, each with the lookup off and at options.lookup (when it is on)."""
     drafter.set_proposal(chain=0)                        # 0: the drafter's own chain length
     depth = max(1, int(getattr(drafter.tree, "depth", None) or getattr(drafter.tree, "max_depth", None) or 1))
     depth = min(depth, getattr(drafter, "max_proposal_depth", None) or depth)     # MTP: the depths it trained
     probe = with_settings(options, {"proposal": "default", "lookup": 0, "tree_size": options.tree_size})
     configure_proposal(drafter, target, probe)           # its own shape, tuned here once (written into probe)
-    lookups = [0] if target.recurrent or not options.lookup else sorted({0, max(1, options.lookup // 2),
-                                                                         options.lookup})
+    lookups = [0] if target.recurrent or not options.lookup else [0, options.lookup]
     shapes = [{"proposal": "chain", "chain_length": k, "tree_size": None, "tree_depth_topk_total": None}
               for k in range(1, depth + 1)]
     if not target.recurrent and (drafter.static_tree or drafter.dynamic_tree):
@@ -160,12 +159,19 @@ def decide(drafter, target: Target, options: EvalSettings, prompts: list[tuple[s
     heldout: the checkpoint's held-out agreement per position, the fallback where calibration is too short."""
     started = time.perf_counter()
     used, notes = prompts[:CALIBRATION_PROMPTS], []
-    measured = []
+    measured, longest = [], {}                   # longest: by lookup, the last chain measured
     for settings in candidate_settings(drafter, target, options):
+        chain, lookup = settings.get("chain_length"), settings["lookup"]
+        shorter = longest.get(lookup)
+        if chain and shorter is not None and shorter.settings["chain_length"] < chain - 1:
+            continue                                     # a shorter chain already committed no more (below)
         proposer = configure_proposal(drafter, target, with_settings(options, settings))
         if any(c.description == proposer.describe_proposal() for c in measured):
             continue                                     # the tuned tree is one of the chains
-        measured.append(calibrate(proposer, target, options, used, calibration_tokens, settings, heldout, notes))
+        candidate = calibrate(proposer, target, options, used, calibration_tokens, settings, heldout, notes)
+        measured.append(candidate)
+        if chain and (shorter is None or candidate.tokens_per_step > shorter.tokens_per_step):
+            longest[lookup] = candidate                  # longer chains are tried while they commit more a step
     curve = price(measured, target)
     plain = Candidate({}, "plain decoding", 1.0, 1.0, 0.0, 1.0)
     best = max(measured, key=lambda c: c.predicted_speedup)

@@ -56,6 +56,7 @@ def bare_image(directory: Path) -> str:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.heavy
 def test_the_gpu_checks_cpu_mode_passes_in_a_bare_image(tmp_path):
     python = bare_image(tmp_path / "image")
     assert subprocess.run([python, "-c", "import pytest"], capture_output=True).returncode != 0

