@@ -216,6 +216,7 @@ DATA_RECIPE = {"method": "medusa", "seed": 3, "target": {"path": "smollm2-135m",
                "drafter": {"num_heads": 2, "draft_vocab_size": None}}
 
 
+@pytest.mark.heavy
 def test_vllm_data_backend_writes_what_the_transformers_backend_writes(vllm_python, tmp_path):
     import yaml
     from draftsmith.data.distill import read_shard, shard_paths
@@ -359,6 +360,7 @@ def test_predict_check_through_vllm_prices_whole_steps_and_keeps_them(default_ru
 MTP_SERVED = ["deepseek_v3", "glm4_moe"] if os.environ.get("MTP_DEEPSEEK") == "1" else ["glm4_moe"]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("family", MTP_SERVED)
 def test_vllm_serves_an_mtp_export_as_method_mtp(family, vllm_python, tmp_path):
     """A tiny DeepSeek-V3 (MLA, routed experts) or GLM-4-MoE target with an MTP layer, the layer fine-tuned a little
@@ -408,6 +410,7 @@ def test_vllm_serves_an_mtp_export_as_method_mtp(family, vllm_python, tmp_path):
 SERVED_FAMILIES = sorted(FAMILIES) if os.environ.get("FAMILIES_SERVED") == "1" else ["qwen3"]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("family", SERVED_FAMILIES)
 def test_vllm_serves_an_eagle3_export_on_a_family_target_without_changing_its_text(family, vllm_python, tmp_path):
     # vLLM's CPU attention wants heads of 32 or more; EAGLE-3 three distinct layers
