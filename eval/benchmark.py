@@ -205,14 +205,7 @@ def evaluate(checkpoint: str, options: EvalSettings, progress: bool = True) -> E
                            conversations)
     # warm-up: every mode once, untimed (first calls allocate, and on a GPU load kernels)
     run_modes(target, drafter, prompts[0][1][:32], dataclasses.replace(options, max_new_tokens=8), 0)
-    heldout = (config.get("heldout") or {}).get("heldout/agreement")
-    # calibrated on the last prompts: the budget below times the first ones
-    if choosing:
-        decision, drafter = decide(base, target, options, prompts[-CALIBRATION_PROMPTS:], heldout=heldout)
-    else:
-        decision = price_forced(drafter, target, options, prompts[-CALIBRATION_PROMPTS:], heldout=heldout)
-    if options.max_minutes:
-        options.max_minutes = max(options.max_minutes / 2, options.max_minutes - decision.seconds / 60)
+    decision, drafter = settle_proposal(base if choosing else drafter, target, options, prompts, config, choosing)
     description = drafter.describe_proposal()
     costs = step_costs(target, drafter, prompts[0][1])
     prompts, sizing = fit_budget(prompts, options, costs["target_forward_ms"] / 1000, dtype)
@@ -266,6 +259,20 @@ def evaluate(checkpoint: str, options: EvalSettings, progress: bool = True) -> E
         original = checkpoint_target(config, dtype, device, options.target, adapter="none")
         report.drift = target_drift(target, original, prompts[:max(exact_count, 1)], options.max_new_tokens)
     return report
+
+
+def settle_proposal(drafter, target, options: EvalSettings, prompts: list, config: dict, choosing: bool):
+    """The decision (eval/decision.py): chosen among the candidates, or the proposal as asked, priced; both
+    calibrated on the last prompts (the budget times the first ones), their seconds taken from the budget.
+    Returns the decision and the proposer to time."""
+    heldout = (config.get("heldout") or {}).get("heldout/agreement")
+    if choosing:
+        decision, drafter = decide(drafter, target, options, prompts[-CALIBRATION_PROMPTS:], heldout=heldout)
+    else:
+        decision = price_forced(drafter, target, options, prompts[-CALIBRATION_PROMPTS:], heldout=heldout)
+    if options.max_minutes:
+        options.max_minutes = max(options.max_minutes / 2, options.max_minutes - decision.seconds / 60)
+    return decision, drafter
 
 
 def over_budget(options: EvalSettings, results: list, elapsed: float, dtype) -> bool:

@@ -89,6 +89,11 @@ def candidate_settings(drafter, target: Target, options: EvalSettings) -> list[d
     return [{**shape, "lookup": lookup} for shape in shapes for lookup in lookups]
 
 
+def plain_candidate() -> Candidate:
+    """Plain decoding as a candidate: one token a step, nothing proposed, S = 1."""
+    return Candidate({}, "plain decoding", 1.0, 1.0, 0.0, 1.0)
+
+
 class _Recorder:
     """A proposer that counts the tokens of each proposal it hands the verifier (the drafter's and the
     lookup's together), and passes everything else through."""
@@ -173,7 +178,7 @@ def decide(drafter, target: Target, options: EvalSettings, prompts: list[tuple[s
         if chain and (shorter is None or candidate.tokens_per_step > shorter.tokens_per_step):
             longest[lookup] = candidate                  # longer chains are tried while they commit more a step
     curve = price(measured, target)
-    plain = Candidate({}, "plain decoding", 1.0, 1.0, 0.0, 1.0)
+    plain = plain_candidate()
     best = max(measured, key=lambda c: c.predicted_speedup)
     on = best.predicted_speedup > 1.0
     for key, value in best.settings.items():
@@ -201,7 +206,7 @@ def price_forced(proposer, target: Target, options: EvalSettings, prompts: list[
     settings = {"proposal": options.proposal, "chain_length": options.chain_length, "lookup": options.lookup}
     forced = calibrate(proposer, target, options, used, calibration_tokens, settings, heldout, notes)
     curve = price([forced], target)
-    decision = Decision([Candidate({}, "plain decoding", 1.0, 1.0, 0.0, 1.0), forced], forced,
+    decision = Decision([plain_candidate(), forced], forced,
                         forced.predicted_speedup > 1.0, {n: s * 1000 for n, s in curve.items()},
                         f"{len(used)} of the run's prompts x {calibration_tokens} tokens (the proposal as asked)",
                         time.perf_counter() - started, notes)
