@@ -45,7 +45,7 @@ from draftsmith.heads.drafter import DraftContext, StepOutput, divide, term_deno
 from draftsmith.heads.eagle3_layout import target_architecture, verifier_path
 from draftsmith.heads.dflash_layer import BlockLayer, dflash_layout
 from draftsmith.heads.eagle_layer import RMSNorm, Rotary, layer_shape_from_target
-from draftsmith.heads.formats import (VOCABULARY, ExportFormat, ImportFormatError, cast, dtype_name, fill,
+from draftsmith.heads.formats import (VOCABULARY, ExportFormat, ImportFormatError, cast, dtype_name, fill, rope_fields,
                                       output_convention, readme, renamed)
 from draftsmith.heads.registry import register
 from draftsmith.heads.runtime.target import Target
@@ -345,14 +345,13 @@ class DFlash(DrafterBase):
 def qwen3_fields(config: dict, dtype) -> dict:
     """The draft layers' Qwen3 config fields."""
     shape, info = config["architecture"], config["target"]
-    rope = dict(shape["rope_parameters"])
     return {"model_type": "qwen3", "hidden_size": shape["hidden_size"], "intermediate_size": shape["intermediate_size"],
             "num_attention_heads": shape["num_heads"], "num_key_value_heads": shape["num_kv_heads"],
             "head_dim": shape["head_dim"], "num_hidden_layers": config["drafter"]["num_layers"],
             "rms_norm_eps": shape["rms_norm_eps"], "hidden_act": "silu", "vocab_size": info["vocab_size"],
             "draft_vocab_size": shape["draft_vocab_size"], "target_hidden_size": info["hidden_size"],
-            "max_position_embeddings": shape["max_position_embeddings"], "rope_parameters": rope,
-            "rope_theta": rope.get("rope_theta"), "tie_word_embeddings": False, "attention_bias": False,
+            "max_position_embeddings": shape["max_position_embeddings"],
+            **rope_fields(shape["rope_parameters"]), "tie_word_embeddings": False, "attention_bias": False,
             "use_sliding_window": False, "torch_dtype": dtype_name(dtype), "block_size": config["drafter"]["block_size"],
             "bos_token_id": shape.get("bos_token_id"), "eos_token_id": shape.get("eos_token_id")}
 

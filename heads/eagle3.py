@@ -29,8 +29,8 @@ from draftsmith.heads.decoding.dynamic_tree import TreeSettings
 from draftsmith.heads.draft_vocab import add_draft_vocabulary, set_draft_map
 from draftsmith.heads.drafter import DraftContext, StepOutput, divide, term_denominators
 from draftsmith.heads.eagle3_layout import (CARRIED, convention_ids, default_layer_ids, is_parallel, layout_tensors,
-                                            llama_eagle3_config, llama_fields, recognizes, target_architecture,
-                                            verifier_path)
+                                            llama_eagle3_config, llama_fields, recognizes, speculators_layer_ids,
+                                            target_architecture, verifier_path)
 from draftsmith.heads.eagle_decoding import EagleDecoding
 from draftsmith.heads.eagle_layer import DraftLayer, RMSNorm, Rotary, layer_layout, layer_shape_from_target
 from draftsmith.heads.formats import ExportError, ExportFormat, ImportFormatError, fill, output_convention, readme
@@ -73,8 +73,22 @@ class Eagle3Config:
     init_from: str | None = None
     """Warm start: a draftsmith checkpoint of this kind for this target (e.g. one `draftsmith import`
     made from a published drafter) whose weights training starts from; null = a fresh drafter."""
+    norm_before_fc: bool = False
+    """EAGLE-3.1: one RMSNorm over the concatenated target features (3T wide, `input_norm`) before fc."""
+    fc_norm: bool = False
+    """EAGLE-3.1: one RMSNorm per fused target layer (T wide each, `fc_norm.0-2`) before fc; excludes
+    norm_before_fc."""
+    norm_output: bool = False
+    """EAGLE-3.1: the next draft step (and the training-time test's next step) reads the drafter's output
+    after its final norm instead of before it; the logits are the same lm_head(norm(h))."""
+    norm_before_residual: bool = False
+    """The draft layer's attention residual is the normed hidden input, hidden_norm(h), instead of h (what
+    speculators' trainer writes by default)."""
 
     def __post_init__(self):
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("drafter.norm_before_fc and drafter.fc_norm exclude each other (one norm over the "
+                             "concatenated features, or one per fused layer): set one of them")
         if not 1 <= self.ttt_steps <= 64:
             raise ValueError(f"drafter.ttt_steps must be in [1, 64] (EAGLE-3 trains 7), got {self.ttt_steps}")
         if self.layer_ids is not None and len(self.layer_ids) != 3:
@@ -100,8 +114,11 @@ class Eagle3(EagleDecoding, DrafterBase):
         self.shape = shape
         add_draft_vocabulary(self, config.draft_vocab_size or target.vocab_size, target.vocab_size)
         vocab = self.draft_to_target.numel()
-        self.fc = nn.Linear(3 * target.hidden_size, shape.hidden_size, bias=False)
-        self.midlayer = DraftLayer(shape, fused=True)
+        T = target.hidden_size
+        self.input_norm = RMSNorm(3 * T, shape.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(T, shape.rms_norm_eps) for _ in range(3)) if config.fc_norm else None
+        self.fc = nn.Linear(3 * T, shape.hidden_size, bias=False)
+        self.midlayer = DraftLayer(shape, fused=True, norm_before_residual=config.norm_before_residual)
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.lm_head = nn.Linear(shape.hidden_size, vocab, bias=False)
         self.rotary = Rotary(shape)
@@ -127,7 +144,8 @@ class Eagle3(EagleDecoding, DrafterBase):
         shape, d = config["architecture"], config["target"]["hidden_size"]
         H, draft = shape["hidden_size"], shape["draft_vocab_size"]
         return {"fc.weight": (H, 3 * d), "norm.weight": (H,), "lm_head.weight": (draft, H),
-                "draft_to_target": (draft,), **layer_layout(shape, fused=True, prefix="midlayer.")}
+                "draft_to_target": (draft,), **layer_layout(shape, fused=True, prefix="midlayer."),
+                **feature_norms(config["drafter"], d)}
 
     def fused_layer_ids(self) -> list[int]:
         return list(self.layer_ids)
@@ -170,16 +188,27 @@ class Eagle3(EagleDecoding, DrafterBase):
                 mine.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight.float())
 
     def fuse(self, features: dict) -> torch.Tensor:
-        """{layer: [..., T]} -> fc(cat of the three layers) [..., H]"""
-        stacked = torch.cat([features[i] for i in self.layer_ids], dim=-1)
-        return self.fc(stacked.to(self.fc.weight.dtype))
+        """{layer: [..., T]} -> fc(cat of the three layers) [..., H], each layer normed first (fc_norm) or
+        their concatenation (norm_before_fc) where the drafter has those norms."""
+        dtype = self.fc.weight.dtype
+        parts = [features[i].to(dtype) for i in self.layer_ids]
+        if self.fc_norm is not None:
+            parts = [norm(part).to(dtype) for norm, part in zip(self.fc_norm, parts)]
+        stacked = torch.cat(parts, dim=-1)
+        if self.input_norm is not None:
+            stacked = self.input_norm(stacked).to(dtype)
+        return self.fc(stacked)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.target.embed_tokens(tokens).to(self.fc.weight.dtype)
 
+    def output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft layer's output as the next step reads it: after the final norm with norm_output, else as is."""
+        return self.norm(hidden).to(hidden.dtype) if self.config.norm_output else hidden
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] (before the final norm) -> [..., v]"""
-        return self.lm_head(self.norm(hidden))
+        """[..., H] (a step's `output`) -> [..., v]: lm_head(norm(h)) either way."""
+        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
 
     # -- training ----------------------------------------------------------------
     def forward(self, batch: dict) -> StepOutput:
@@ -217,8 +246,8 @@ class Eagle3(EagleDecoding, DrafterBase):
         for step in range(self.config.ttt_steps):
             tokens = F.pad(input_ids[:, 1 + step:], (0, 1 + step))                 # token t+1+s at t
             cos, sin = self.rotary(hidden, positions + step)
-            hidden = self.midlayer.ttt(hidden, self.embed(tokens), cos, sin, past, attention,
-                                       checkpointed=self.gradient_checkpointing and self.training)
+            hidden = self.output(self.midlayer.ttt(hidden, self.embed(tokens), cos, sin, past, attention,
+                                                   checkpointed=self.gradient_checkpointing and self.training))
             yield hidden
 
     def loss_counts(self, batch: dict) -> torch.Tensor:
@@ -256,14 +285,32 @@ class Eagle3(EagleDecoding, DrafterBase):
     def _step(self, hidden, tokens, positions, cache) -> torch.Tensor:
         """[1, n, H] (fused features or drafted outputs), tokens [1, n] -> outputs [1, n, H]"""
         cos, sin = self.rotary(hidden, positions)
-        return self.midlayer.cached(hidden, self.embed(tokens), cos, sin, cache)
+        return self.output(self.midlayer.cached(hidden, self.embed(tokens), cos, sin, cache))
+
+
+NORM_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
+"""EAGLE-3.1's options (and speculators' norm_before_residual): config flags of the same names in every format."""
+
+
+def feature_norms(drafter: dict, target_hidden: int) -> dict[str, tuple[int, ...]]:
+    """The tensors the feature norms add (none for a drafter without them, as every checkpoint before them)."""
+    if drafter.get("norm_before_fc"):
+        return {"input_norm.weight": (3 * target_hidden,)}
+    if drafter.get("fc_norm"):
+        return {f"fc_norm.{i}.weight": (target_hidden,) for i in range(3)}
+    return {}
 
 
 # -- serving formats (heads/formats.py), in the Llama-layer layout of heads/eagle3_layout.py -------------
 
+def norm_flags(config: dict) -> dict[str, bool]:
+    """The four norm flags every export writes, false where the checkpoint predates them."""
+    return {name: bool(config["drafter"].get(name, False)) for name in NORM_OPTIONS}
+
+
 def _write_vllm(config, weights, target, dtype, checkpoint):
     ids = config["target_layer_ids"][:3]
-    cfg = {**llama_eagle3_config(config, dtype, ids), "eagle_aux_hidden_state_layer_ids": ids}
+    cfg = {**llama_eagle3_config(config, dtype, ids), "eagle_aux_hidden_state_layer_ids": ids, **norm_flags(config)}
     command = _serve(config, "vllm")
     notes = (f"Fused target layers {ids} (vLLM's convention: hidden_states[i], the input of decoder layer i, "
              "the same as draftsmith's). The embedding is taken from the target.")
@@ -272,7 +319,7 @@ def _write_vllm(config, weights, target, dtype, checkpoint):
 
 
 def _write_speculators(config, weights, target, dtype, checkpoint):
-    ids = config["target_layer_ids"][:3]
+    ids, repeated = speculators_layer_ids(config)
     depth = config["drafter"]["tree"]["depth"]
     layer = llama_fields(config, dtype)
     cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.2.0",
@@ -281,11 +328,12 @@ def _write_speculators(config, weights, target, dtype, checkpoint):
                                   "verifier": {"name_or_path": verifier_path(config),
                                                "architectures": [target_architecture(config)]}},
            "transformer_layer_config": layer, "draft_vocab_size": layer["draft_vocab_size"],
-           "target_hidden_size": layer["target_hidden_size"], "norm_before_residual": False,
-           "norm_before_fc": False, "eagle_aux_hidden_state_layer_ids": ids, "torch_dtype": layer["torch_dtype"]}
+           "target_hidden_size": layer["target_hidden_size"], **norm_flags(config),
+           "eagle_aux_hidden_state_layer_ids": ids, "torch_dtype": layer["torch_dtype"]}
     command = _serve(config, "speculators")
-    notes = ("`norm_before_residual: false` is written explicitly: vLLM assumes true for speculators configs that "
-             "omit it, which would silently change the drafter.")
+    notes = ("The four norm flags (norm_before_residual, norm_before_fc, fc_norm, norm_output) are written "
+             "explicitly: vLLM assumes norm_before_residual true for a speculators config that omits it, which "
+             "would silently change the drafter. " + repeated)
     return ({"model.safetensors": layout_tensors(config, weights, dtype, "speculators")},
             {"config.json": cfg, "README.md": readme(config, checkpoint, "EAGLE-3 drafter (speculators format)",
                                                        command, notes)})
@@ -293,7 +341,7 @@ def _write_speculators(config, weights, target, dtype, checkpoint):
 
 def _write_sglang(config, weights, target, dtype, checkpoint):
     ids = output_convention(config["target_layer_ids"][:3], "SGLang")
-    cfg = llama_eagle3_config(config, dtype, ids)
+    cfg = {**llama_eagle3_config(config, dtype, ids), **norm_flags(config)}
     command = _serve(config, "sglang")
     notes = (f"Fused layers written as {ids}: SGLang names a fused layer by the decoder layer whose output it "
              f"takes (draftsmith's hidden_states ids {config['target_layer_ids'][:3]} minus one). SGLang skips "
@@ -305,7 +353,7 @@ def _write_sglang(config, weights, target, dtype, checkpoint):
 
 def _write_trtllm(config, weights, target, dtype, checkpoint):
     ids = output_convention(config["target_layer_ids"][:3], "TensorRT-LLM")
-    cfg = llama_eagle3_config(config, dtype, ids)
+    cfg = {**llama_eagle3_config(config, dtype, ids), **norm_flags(config)}
     command = _serve(config, "trtllm")
     notes = (f"TensorRT-LLM's eagle3_layers_to_capture names decoder layers by their output: {ids} here "
              f"(draftsmith's hidden_states ids {config['target_layer_ids'][:3]} minus one); pass them explicitly.")
@@ -343,9 +391,8 @@ def read_eagle3(config: dict, weights: dict, target: Target, fmt: str, confirmed
         raise ImportFormatError("this is not an EAGLE-3 drafter (no d2t): draftsmith reads the EAGLE repository's "
                                 "EAGLE-3 layout; its EAGLE-1/2 drafters (fc with a bias, layers.0.*) have no import yet")
     layer = config.get("transformer_layer_config", config)              # speculators nests the layer's fields
-    if config.get("norm_before_residual") is True:
-        raise ImportFormatError("this speculators drafter normalises before the residual (norm_before_residual: true), "
-                           "which draftsmith's EAGLE-3 layer does not do")
+    refuse_unknown_flags(config)
+    norms = read_norm_flags(config)
     ids = (config.get("eagle_aux_hidden_state_layer_ids")
            or config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"))
     if not ids and fmt in ("vllm", "eagle"):      # vLLM then fuses its default layers, and the EAGLE code always
@@ -354,8 +401,14 @@ def read_eagle3(config: dict, weights: dict, target: Target, fmt: str, confirmed
         raise ImportFormatError("the export names no 3 fused target layers (eagle_aux_hidden_state_layer_ids)")
     ids = convention_ids([int(i) for i in ids], fmt, target.num_layers, confirmed)
     target.check_layer_ids(ids, "the export's fused layers (draftsmith's hidden_states ids)")
-    d2t = weights["d2t"].long()
-    draft = torch.arange(d2t.numel()) + d2t                              # target id = draft id + d2t[draft id]
+    if "d2t" in weights:
+        d2t = weights["d2t"].long()
+        draft = torch.arange(d2t.numel()) + d2t                          # target id = draft id + d2t[draft id]
+    elif int(layer.get("draft_vocab_size", config.get("draft_vocab_size", -1))) == target.vocab_size:
+        draft = torch.arange(target.vocab_size)                          # the whole vocabulary: no map written
+    else:
+        raise ImportFormatError("the export has no d2t, and its draft_vocab_size is not the target's vocabulary "
+                                f"({target.vocab_size}): the map from draft to target ids is missing")
     if int(draft.max()) >= target.vocab_size or (draft.diff() <= 0).any():
         raise ImportFormatError("d2t does not map the draft vocabulary to ascending ids inside the target's vocabulary")
     if "t2d" in weights:
@@ -369,9 +422,59 @@ def read_eagle3(config: dict, weights: dict, target: Target, fmt: str, confirmed
             raise ImportFormatError("the export carries an embedding that is not this target's: import it against the "
                                "target it was trained for (--target)")
     drafter = Eagle3(Eagle3Config(layer_ids=ids, draft_vocab_size=draft.numel(),
-                                  intermediate_size=int(layer["intermediate_size"])), target)
+                                  intermediate_size=int(layer["intermediate_size"]), **norms), target)
+    missing = sorted(set(feature_norms(norms, target.hidden_size)) - set(weights))
+    if missing:
+        on = [name for name in ("norm_before_fc", "fc_norm") if norms[name]]
+        raise ImportFormatError(f"the export's config sets {on[0]}: true but it has no {', '.join(missing)}: it was "
+                                f"trained without that norm; import it with {on[0]} false (fix config.json)")
     fill(drafter, weights, fmt, draft, skip={"d2t", "t2d"} | CARRIED)
     return drafter
+
+
+INERT_FLAGS = {"use_cache", "return_dict", "output_hidden_states", "output_attentions", "torchscript",
+               "embed_requires_grad", "use_aux_hidden_state", "is_decoder", "has_no_defaults_at_init",
+               "parallel_drafting"}
+"""Config flags that may be true without changing what the drafter computes (parallel_drafting: P-EAGLE's
+mark, read by heads/p_eagle.py)."""
+
+
+def read_norm_flags(config: dict) -> dict[str, bool]:
+    """The EAGLE-3.1 norm flags of an export, wherever a stack writes them: vLLM reads norm_before_fc from
+    eagle_config first, then the top level; speculators writes them at the top level (absent = false, as the
+    speculators library reads them; vLLM alone assumes norm_before_residual true for a speculators config
+    without it, which is why every export of draftsmith writes all four)."""
+    eagle = config.get("eagle_config") or {}
+    flags = {}
+    for name in NORM_OPTIONS:
+        value = eagle.get(name, config.get(name, False))
+        if value is None:
+            value = False
+        if not isinstance(value, bool):
+            raise ImportFormatError(f"the export's {name} is {value!r}; it must be true or false")
+        flags[name] = value
+    if flags["norm_before_fc"] and flags["fc_norm"]:
+        raise ImportFormatError("the export sets both norm_before_fc and fc_norm, which exclude each other (the "
+                                "speculators library refuses such a config too)")
+    return flags
+
+
+def refuse_unknown_flags(config: dict) -> None:
+    """An import never drops a flag silently: a config key set true at the top level, in eagle_config or in the
+    layer's config that draftsmith does not read is refused by name (it may change what the drafter computes:
+    attention_bias, mlp_bias, a norm draftsmith does not have)."""
+    places = {"": config, "eagle_config.": config.get("eagle_config") or {},
+              "transformer_layer_config.": config.get("transformer_layer_config") or {}}
+    unknown = [prefix + key for prefix, fields in places.items() for key, value in fields.items()
+               if value is True and key not in INERT_FLAGS and key not in NORM_OPTIONS]
+    if unknown:
+        raise ImportFormatError(f"the export sets {', '.join(unknown)}: true, which draftsmith's EAGLE-3 does not "
+                                "read; importing it would drop what the flag changes. If the flag is known not to "
+                                "change the drafter's computation, set it false in config.json")
+    layer = places["transformer_layer_config."] or config
+    if layer.get("hidden_act", "silu") != "silu":
+        raise ImportFormatError(f"the export's draft layer uses hidden_act '{layer['hidden_act']}'; draftsmith's "
+                                "EAGLE-3 layer is SiLU")
 
 
 def _sequential(config: dict) -> bool:

@@ -16,7 +16,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from draftsmith.heads.draft_vocab import d2t_offsets, t2d_mask
 from draftsmith.heads.drafter import target_path
-from draftsmith.heads.formats import VOCABULARY, ImportFormatError, cast, dtype_name, renamed
+from draftsmith.heads.formats import VOCABULARY, ImportFormatError, cast, dtype_name, renamed, rope_fields
 from draftsmith.heads.runtime.assets import resolve_target_path
 
 
@@ -33,8 +33,9 @@ def layout_tensors(config, weights, dtype, fmt: str, embed: torch.Tensor | None 
     vocab = config["target"]["vocab_size"]
     draft = weights[VOCABULARY].long()
     out = renamed(config, weights, fmt)
-    out["d2t"] = d2t_offsets(draft)            # target_id = draft_id + d2t[draft_id]
-    out["t2d"] = t2d_mask(draft, vocab)
+    if draft.numel() != vocab:                 # a whole-vocabulary drafter has no map: vLLM refuses one then
+        out["d2t"] = d2t_offsets(draft)        # target_id = draft_id + d2t[draft_id]
+        out["t2d"] = t2d_mask(draft, vocab)
     if embed is not None:
         out["embed_tokens.weight"] = embed
     return cast(out, dtype)
@@ -42,14 +43,13 @@ def layout_tensors(config, weights, dtype, fmt: str, embed: torch.Tensor | None 
 
 def llama_fields(config, dtype) -> dict:
     shape, info = config["architecture"], config["target"]
-    rope = dict(shape["rope_parameters"])
     return {
         "model_type": "llama", "hidden_size": shape["hidden_size"], "intermediate_size": shape["intermediate_size"],
         "num_attention_heads": shape["num_heads"], "num_key_value_heads": shape["num_kv_heads"],
         "head_dim": shape["head_dim"], "num_hidden_layers": 1, "rms_norm_eps": shape["rms_norm_eps"],
         "hidden_act": "silu", "vocab_size": info["vocab_size"], "draft_vocab_size": shape["draft_vocab_size"],
         "target_hidden_size": info["hidden_size"], "max_position_embeddings": shape["max_position_embeddings"],
-        "rope_parameters": rope, "rope_theta": rope.get("rope_theta"), "tie_word_embeddings": False,
+        **rope_fields(shape["rope_parameters"]), "tie_word_embeddings": False,
         "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype_name(dtype),
         "bos_token_id": shape.get("bos_token_id"), "eos_token_id": shape.get("eos_token_id"),
     }
@@ -59,6 +59,20 @@ def llama_eagle3_config(config, dtype, ids: list[int]) -> dict:
     """`LlamaForCausalLMEagle3`'s config.json, fusing the target layers `ids` (in the stack's convention)."""
     return {"architectures": ["LlamaForCausalLMEagle3"], **llama_fields(config, dtype),
             "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids}}
+
+
+def speculators_layer_ids(config) -> tuple[list[int], str]:
+    """The fused layers a speculators config names, and a note for its README when they repeat (a target of
+    6 layers or fewer repeats the defaults): vLLM serves such an export, but the speculators library refuses
+    to load it (its resolve_target_layer_ids wants distinct ids), which the export says, and logs, here."""
+    ids = config["target_layer_ids"][:3]
+    if len(set(ids)) == len(ids):
+        return ids, ""
+    note = (f"The fused layers {ids} repeat (a target this shallow repeats the default ones): vLLM serves this "
+            "export, but the speculators library refuses to load it (it wants three distinct layers); retrain with "
+            "three distinct drafter.layer_ids to load it there.")
+    logging.getLogger("draftsmith").warning("export: %s", note)
+    return ids, note
 
 
 def verifier_path(config) -> str:

@@ -256,9 +256,10 @@ def layer_layout(shape: dict, fused: bool, prefix: str) -> dict[str, tuple[int, 
 class DraftLayer(nn.Module):
     """fused=True: EAGLE-3's layer (attention over cat(norm(emb), norm(h))); False: EAGLE-1's (over h)."""
 
-    def __init__(self, shape: LayerShape, fused: bool):
+    def __init__(self, shape: LayerShape, fused: bool, norm_before_residual: bool = False):
         super().__init__()
         self.fused = fused
+        self.norm_before_residual = norm_before_residual
         width = 2 * shape.hidden_size if fused else shape.hidden_size
         if fused:
             self.hidden_norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
@@ -274,7 +275,9 @@ class DraftLayer(nn.Module):
         return hidden
 
     def _finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + attended                     # the residual is the un-normed input
+        """The residual is the un-normed input, or with norm_before_residual the normed one (hidden_norm(h))."""
+        residual = self.hidden_norm(hidden).to(hidden.dtype) if self.norm_before_residual else hidden
+        hidden = residual + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
     def cached(self, hidden, embeds, cos, sin, cache: EngineCache) -> torch.Tensor:

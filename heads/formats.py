@@ -124,6 +124,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def rope_fields(rope_parameters: dict) -> dict:
+    """The rope settings in every spelling a serving stack reads: `rope_parameters` (transformers 5),
+    the legacy `rope_scaling` (the scaling alone, null for plain rope: what transformers 4, vLLM's older
+    config readers and TensorRT-LLM read) and `rope_theta`.  transformers 5 prefers `rope_scaling` when a
+    config has both, so the two are written from the same dict and cannot disagree."""
+    rope = dict(rope_parameters)
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    plain = scaling.get("rope_type", "default") == "default" and set(scaling) <= {"rope_type"}
+    return {"rope_parameters": rope, "rope_scaling": None if plain else scaling, "rope_theta": rope.get("rope_theta")}
+
+
 README = """# {title}
 
 Exported by draftsmith {version} from `{checkpoint}` (a {kind} drafter for `{target}`).

@@ -35,11 +35,11 @@ from torch import nn
 from draftsmith.heads.decoding.dynamic_tree import TreeSettings
 from draftsmith.heads.decoding.parallel import clamp_depth, parallel_tree, resolve_mask_token
 from draftsmith.heads.drafter import DraftContext
-from draftsmith.heads.eagle3 import Eagle3, Eagle3Config, read_eagle3
+from draftsmith.heads.eagle3 import NORM_OPTIONS, Eagle3, Eagle3Config, read_eagle3, read_norm_flags
 from draftsmith.heads.eagle3_layout import is_parallel
 from draftsmith.heads.eagle3_layout import layout_tensors as eagle3_tensors
-from draftsmith.heads.eagle3_layout import (llama_eagle3_config, llama_fields, recognizes, target_architecture,
-                                            verifier_path)
+from draftsmith.heads.eagle3_layout import (llama_eagle3_config, llama_fields, recognizes, speculators_layer_ids,
+                                            target_architecture, verifier_path)
 from draftsmith.heads.formats import ExportError, ExportFormat, ImportFormatError, readme
 from draftsmith.heads.registry import register
 from draftsmith.heads.runtime.target import Target
@@ -59,6 +59,10 @@ class PEagleConfig(Eagle3Config):
 
     def __post_init__(self):
         super().__post_init__()
+        norms = [name for name in NORM_OPTIONS if getattr(self, name)]
+        if norms:
+            raise ValueError(f"drafter.{norms[0]}: P-EAGLE here has none of EAGLE-3.1's norm options yet (they are "
+                             "EAGLE-3's: kind eagle3); set them false")
         if self.ttt_steps < 2:
             raise ValueError(f"drafter.ttt_steps is P-EAGLE's K, the tokens drafted in one forward: at least 2, "
                              f"got {self.ttt_steps}")
@@ -173,7 +177,7 @@ def _write_vllm(config, weights, target, dtype, checkpoint):
 
 
 def _write_speculators(config, weights, target, dtype, checkpoint):
-    ids = config["target_layer_ids"][:3]
+    ids, repeated = speculators_layer_ids(config)
     layer = llama_fields(config, dtype)
     K = config["drafter"]["ttt_steps"]
     cfg = {"architectures": ["PEagleDraftModel"], "speculators_model_type": "peagle", "speculators_version": "0.2.0",
@@ -185,7 +189,7 @@ def _write_speculators(config, weights, target, dtype, checkpoint):
            "target_hidden_size": layer["target_hidden_size"], "norm_before_residual": False,
            "norm_before_fc": False, "eagle_aux_hidden_state_layer_ids": ids,
            "mask_token_id": config["architecture"]["mask_token_id"], "torch_dtype": layer["torch_dtype"]}
-    notes = "vLLM maps speculators' `peagle` to `method: eagle3` with `parallel_drafting: true`."
+    notes = "vLLM maps speculators' `peagle` to `method: eagle3` with `parallel_drafting: true`. " + repeated
     return ({"model.safetensors": _tensors(config, weights, dtype, "speculators")},
             {"config.json": cfg, "README.md": readme(config, checkpoint, "P-EAGLE drafter (speculators format)",
                                                        _serve(config, "speculators"), notes)})
@@ -204,6 +208,10 @@ def _reads(fmt: str):
         if MASK not in weights:
             raise ImportFormatError(f"the export has no {MASK}: it is an EAGLE-3 drafter, not P-EAGLE (--from-kind "
                                     "eagle3, or import it as EAGLE-3)")
+        norms = [name for name, on in read_norm_flags(config).items() if on]
+        if norms:
+            raise ImportFormatError(f"this P-EAGLE drafter sets {', '.join(norms)}: draftsmith's P-EAGLE has none of "
+                                    "EAGLE-3.1's norm options yet (its EAGLE-3 does)")
         base = read_eagle3(config, {k: v for k, v in weights.items() if k != MASK}, target, fmt, confirmed)
         mask = config.get("mask_token_id", config.get("ptd_token_id"))
         K = int(config.get("speculators_config", {}).get("proposal_methods", [{}])[0].get("speculative_tokens", 4)

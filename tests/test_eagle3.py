@@ -197,11 +197,18 @@ def test_two_families_train_a_step_and_decode_exactly(family, tmp_path):
         assert decode(target, prompt, 24, drafter=drafter).tokens == decode(target, prompt, 24).tokens
 
 
-def test_inference_proposals_equal_teacher_forced_predictions(tiny_target):
+NORM_SETS = {"plain": {}, "eagle-3.1": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True},
+             "fc_norm": {"fc_norm": True, "norm_output": True}}
+
+
+@pytest.mark.parametrize("options", sorted(NORM_SETS))
+def test_inference_proposals_equal_teacher_forced_predictions(tiny_target, options):
     """No train/inference mismatch: on one sequence, drafting reproduces the training-time unroll.
-    Depth 1 at root position P equals step 0 at t = P-1; depth 2 equals step 1 there when depth 1 was right."""
+    Depth 1 at root position P equals step 0 at t = P-1; depth 2 equals step 1 there when depth 1 was right.
+    With EAGLE-3.1's norms too (norm_output changes what depth 2 reads, in both)."""
     torch.manual_seed(1)
-    drafter = Eagle3(Eagle3Config(draft_vocab_size=tiny_target.vocab_size, ttt_steps=2), tiny_target)
+    drafter = Eagle3(Eagle3Config(draft_vocab_size=tiny_target.vocab_size, ttt_steps=2, **NORM_SETS[options]),
+                     tiny_target)
     for p in drafter.midlayer.parameters():
         torch.nn.init.normal_(p, std=0.3)
     prompt = prompts(tiny_target, count=1, length=8)[0]

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import tomllib
 from draftsmith.data import sources
 from draftsmith.data.chat import prompt_ids
@@ -115,6 +116,73 @@ def test_the_speculators_library_loads_each_speculators_export(default_run, spec
     assert done.returncode == 0 and len(results) == 3, (done.stdout + done.stderr)[-3000:]
     for kind, result in zip(kinds, results):
         assert result["class"] == kinds[kind] and result["compared"] >= 10 and not result["differ"]
+
+
+def test_the_speculators_library_reads_the_scaled_rope_of_eagle3_and_dflash_exports(speculators_python, tmp_path):
+    """Tiny Llama targets with llama3 and YaRN scaling: speculators (under vLLM's transformers, below 5.20) builds
+    the rotary embedding of each EAGLE-3 and DFlash export, and its angles at position 4,000 equal the target's."""
+    from test_rope_export import FAR, SCALINGS, angles, drafter_of
+    from tiny_models import build_tiny_target
+
+    from draftsmith.heads.drafter import save_drafter
+
+    exports, expected = [], []
+    for name, rope in sorted(SCALINGS.items()):
+        directory = build_tiny_target(tmp_path / f"target-{name}", "llama", layers=3,
+                                      overrides={"rope_parameters": rope, "max_position_embeddings": 8192})
+        target = Target.load(str(directory), "float32")
+        cos, sin = angles(target.decoder.rotary_emb, target.config.head_dim, FAR)
+        for kind in ("eagle3", "dflash"):
+            save_drafter(drafter_of(kind, target), tmp_path / f"{name}-{kind}")
+            exports.append(str(export(tmp_path / f"{name}-{kind}", "speculators", tmp_path / f"{name}-{kind}-out",
+                                      dtype="float32")))
+            expected.append((name, kind, cos.flatten(), sin.flatten()))
+    done = subprocess.run([speculators_python, str(REPO / "tests" / "speculators_load.py"), *exports],
+                          capture_output=True, text=True, timeout=600)
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    print("\n" + "\n".join(json.dumps({k: v for k, v in r.items() if k != "rope_at"}) for r in results))
+    assert done.returncode == 0 and len(results) == len(exports), (done.stdout + done.stderr)[-3000:]
+    for (name, kind, cos, sin), result in zip(expected, results):
+        rope = result["rope_at"]
+        assert rope and rope["position"] == FAR, (name, kind, result)
+        torch.testing.assert_close(torch.tensor(rope["cos"]), cos, msg=f"{name} {kind}: speculators' cos")
+        torch.testing.assert_close(torch.tensor(rope["sin"]), sin, msg=f"{name} {kind}: speculators' sin")
+
+
+SPECULATORS_FLAG_SETS = {          # absent flags take speculators' trainer defaults (three norms on)
+    "trainer-defaults": {},
+    "norm_output-alone": {"norm_before_residual": False, "norm_before_fc": False, "norm_output": True},
+    "norm_before_fc-alone": {"norm_before_residual": False, "norm_before_fc": True, "norm_output": False},
+    "fc_norm-alone": {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": True, "norm_output": False},
+    "norm_before_residual-alone": {"norm_before_residual": True, "norm_before_fc": False, "norm_output": False},
+    "no-norms": {"norm_before_residual": False, "norm_before_fc": False, "norm_output": False},
+}
+
+
+def test_drafters_made_by_speculators_import_and_compute_speculators_logits(speculators_python, tmp_path):
+    """EAGLE-3 drafters made by the speculators library's own constructor (its trainer's), with each norm flag
+    alone and with its trainer's defaults, saved by speculators: draftsmith imports each, and its training-time
+    unroll gives speculators' own logits at every step (the second step on is where a dropped norm_output shows)."""
+    from draftsmith.export.importers import import_drafter
+    from test_eagle31 import compare_with_speculators
+    from tiny_models import build_tiny_target
+
+    directory = build_tiny_target(tmp_path / "target", "llama", layers=4)
+    target = Target.load(str(directory), "float32")
+    names = list(SPECULATORS_FLAG_SETS)
+    done = subprocess.run([speculators_python, str(REPO / "tests" / "speculators_drafter.py"), str(directory),
+                           str(tmp_path / "made"), json.dumps(list(SPECULATORS_FLAG_SETS.values())), "[1, 2, 3]"],
+                          capture_output=True, text=True, timeout=600)
+    made = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and len(made) == len(names), (done.stdout + done.stderr)[-3000:]
+    for i, (name, saved) in enumerate(zip(names, made)):
+        drafter = import_drafter(tmp_path / "made" / str(i) / "drafter", "speculators", target)
+        read = {flag: getattr(drafter.config, flag) for flag in saved if flag != "steps"}
+        differences = compare_with_speculators(drafter, tmp_path / "made" / str(i) / "logits.safetensors")
+        print(f"{name}: speculators wrote {saved}, draftsmith read {read}; largest logit difference per step "
+              f"{['%.1e' % d for d in differences]}")
+        assert read == {flag: value for flag, value in saved.items() if flag != "steps"}, name
+        assert len(differences) == saved["steps"] == 3 and max(differences) < 1e-4, (name, differences)
 
 
 @pytest.fixture(scope="session")
@@ -425,3 +493,42 @@ def test_vllm_serves_an_eagle3_export_on_a_family_target_without_changing_its_te
                  "--num-speculative-tokens", "3", "--max-model-len", "512", model=directory)
     assert spec["metrics"]["vllm:spec_decode_num_drafts"] > 0, "vLLM did not draft"
     assert spec["tokens"] == plain["tokens"], f"{family}: vLLM's output changed when the drafter was added"
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_vllm_serves_an_eagle31_export_and_accepts_what_draftsmith_measures(fmt, vllm_python, tmp_path):
+    """An EAGLE-3 drafter with speculators' default norms (norm_before_fc, norm_output, norm_before_residual),
+    fitted to a tiny Llama target's own greedy text: vLLM keeps the target's text, and accepts at each chain
+    position what draftsmith's verifier accepts (a norm vLLM dropped would change the acceptance)."""
+    from test_eagle3 import overfit
+    from test_eagle31 import SPECULATORS_DEFAULTS, drafter_with
+
+    from draftsmith.heads.drafter import save_drafter
+
+    directory = build_tiny_target(tmp_path / "target", "llama", seed=3, hidden=128, head_dim=32, layers=4)
+    target = Target.load(str(directory), "float32")
+    cases = [p + [3] for p in tiny_prompts(target, count=3, length=8)]
+    drafter = drafter_with(target, whole_vocabulary=True, layer_ids=(1, 2, 3), **SPECULATORS_DEFAULTS)
+    overfit(target, drafter, [p + decode(target, p, MAX_TOKENS).tokens for p in cases], steps=80)
+    save_drafter(drafter, tmp_path / "ckpt")
+    exported = export(tmp_path / "ckpt", fmt, tmp_path / "export", dtype="float32")
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps(cases))
+    plain = serve(vllm_python, path, tmp_path / "plain.json", "--max-model-len", "512", model=directory)
+    extra = (("--max-model-len", "512") if fmt == "speculators" else
+             ("--method", "eagle3", "--drafter", str(exported), "--num-speculative-tokens", "3", "--max-model-len", "512"))
+    spec = serve(vllm_python, path, tmp_path / "spec.json", *extra, model=exported if fmt == "speculators" else directory)
+    assert spec["tokens"] == plain["tokens"], "vLLM's output changed when the drafter was added"
+    chain = drafter.tree.depth if fmt == "speculators" else 3      # the speculators config names its chain
+    drafter.set_proposal(chain=chain)
+    accepted = [a for ids in cases for a in decode(target, ids, MAX_TOKENS, drafter=drafter).accepted]
+    m = spec["metrics"]
+    drafts = m["vllm:spec_decode_num_drafts"]
+    ours, theirs = metrics.tau(accepted), 1 + m["vllm:spec_decode_num_accepted_tokens"] / drafts
+    print(f"\nEAGLE-3.1 norms -> {fmt}: tau draftsmith {ours:.3f} vs vLLM {theirs:.3f} ({len(accepted)} vs {drafts} "
+          "steps); per position draftsmith " + " ".join(f"{a:.3f}" for a in metrics.per_position_acceptance(accepted, chain))
+          + " | vLLM " + " ".join(f"{a / drafts:.3f}" for a in m["vllm:spec_decode_num_accepted_tokens_per_pos"]))
+    # depth 2 and deeper read norm_output's normed state: drafts accepted there are what the check rests on
+    assert sum(accepted) >= 20 and metrics.per_position_acceptance(accepted, 3)[1] > 0, "too little accepted to tell"
+    assert abs(theirs - ours) <= 0.05 * ours

@@ -132,11 +132,11 @@ def make_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=2,
                   pad_token_id=2, bos_token_id=1, tie_word_embeddings=False)
     if family == "llama":
-        return LlamaConfig(**common)
+        return LlamaConfig(**{**common, **(overrides or {})})
     if family == "qwen2":
-        return Qwen2Config(**common, use_sliding_window=False)
+        return Qwen2Config(**{**common, "use_sliding_window": False, **(overrides or {})})
     if family == "mistral":
-        return MistralConfig(**common, sliding_window=None)
+        return MistralConfig(**{**common, "sliding_window": None, **(overrides or {})})
     if family in FAMILIES or family in REFUSED:
         class_name, extra = FAMILIES.get(family) or REFUSED[family]
         extra = dict(extra)
