@@ -240,3 +240,23 @@ def test_dry_run_prints_the_plan_from_a_probe_and_writes_nothing(tiny_target_dir
         assert "feature cache: about" in out and "free" in out and "tokens/s measured here" in out
         assert ("training:" in out) == (verb == "train")
         assert not (tmp_path / "run").exists()
+
+
+def test_train_seed_trains_again_on_the_same_data_and_held_out_split(tiny_target_dir, tmp_path):
+    """train.seed changes the drafter's initial weights and the batch order, not the data (checked against the
+    recipe's seed) nor the held-out split: a second seed of a setting runs on the data already made."""
+    import shutil
+
+    first = recipe_from_dict(tiny_recipe(tmp_path, tiny_target_dir, max_steps=2))
+    report = fit(first, progress=False)
+    raw = tiny_recipe(tmp_path, tiny_target_dir, max_steps=2, seed=1)
+    raw["output_dir"] = str(tmp_path / "again")
+    shutil.copytree(tmp_path / "run" / "data", tmp_path / "again" / "data")
+    again = fit(recipe_from_dict(raw), progress=False)          # the data made with seed 0 is accepted
+    assert again.steps == report.steps == 2
+    mine, theirs = (load_file(str(Path(r.checkpoint) / "model.safetensors")) for r in (report, again))
+    assert any(not torch.equal(mine[k], theirs[k]) for k in mine if k != "draft_to_target")
+    from draftsmith.train.batches import load_training_data
+    target = Target.load(str(tiny_target_dir), "float32")
+    split = [sorted(load_training_data(r, target).heldout["id"]) for r in (first, recipe_from_dict(raw))]
+    assert split[0] == split[1] and split[0]

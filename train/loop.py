@@ -122,11 +122,12 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
         with whole_target(accelerator):
             target = recipe.target.load(accelerator.device)
         data = load_training_data(recipe, target, layers, accelerator)
-    torch.manual_seed(recipe.seed)      # the drafter's init must not depend on what ran before (data, checks)
+    seed = recipe.seed if recipe.train.seed is None else recipe.train.seed     # train.seed: init and batch order
+    torch.manual_seed(seed)             # the drafter's init must not depend on what ran before (data, checks)
     drafter = build_drafter(recipe, target, data.train).to(accelerator.device)
     require_checkpoint_space(recipe.out / "checkpoint", drafter)         # before any step is trained
     global_batch = recipe.train.batch_size * accelerator.num_processes
-    batches = Batches(data.train, global_batch, recipe.seed, data.features)
+    batches = Batches(data.train, global_batch, seed, data.features)
     heldout = Batches(data.heldout, recipe.train.batch_size, 0, data.features)
     steps_per_epoch = max(1, len(batches) // recipe.train.grad_accum)
     total_steps = math.ceil(steps_per_epoch * recipe.train.epochs)

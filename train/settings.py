@@ -99,6 +99,10 @@ class TrainSettings:
     """Passes over the training conversations (fractions allowed)."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (null: epochs decide)."""
+    seed: int | None = None
+    """The training seed (the drafter's initial weights and the batch order); null: the recipe's `seed`.
+    Another value trains again on the same data with the same held-out split (those follow the recipe's
+    seed, which the data is checked against), e.g. to measure a setting over two seeds."""
     max_minutes: float | None = None
     """Stop after this many minutes; the checkpoint at the cap is a normal checkpoint."""
     batch_size: int = 8
