@@ -129,3 +129,66 @@ def recognizes(config: dict) -> bool:
 def is_parallel(config: dict) -> bool:
     """A parallel-drafting (P-EAGLE) config in this layout: vLLM's flag, or speculators' `peagle`."""
     return bool(config.get("parallel_drafting")) or config.get("speculators_model_type") == "peagle"
+
+
+NORM_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
+"""EAGLE-3.1's options (and speculators' norm_before_residual): config flags of the same names in every format."""
+
+
+def feature_norms(drafter: dict, target_hidden: int) -> dict[str, tuple[int, ...]]:
+    """The tensors the feature norms add (none for a drafter without them, as every checkpoint before them)."""
+    if drafter.get("norm_before_fc"):
+        return {"input_norm.weight": (3 * target_hidden,)}
+    if drafter.get("fc_norm"):
+        return {f"fc_norm.{i}.weight": (target_hidden,) for i in range(3)}
+    return {}
+
+
+def norm_flags(config: dict) -> dict[str, bool]:
+    """The four norm flags every export writes, false where the checkpoint predates them."""
+    return {name: bool(config["drafter"].get(name, False)) for name in NORM_OPTIONS}
+
+
+INERT_FLAGS = {"use_cache", "return_dict", "output_hidden_states", "output_attentions", "torchscript",
+               "embed_requires_grad", "use_aux_hidden_state", "is_decoder", "has_no_defaults_at_init",
+               "parallel_drafting"}
+"""Config flags that may be true without changing what the drafter computes (parallel_drafting: P-EAGLE's
+mark, read by heads/p_eagle.py)."""
+
+
+def read_norm_flags(config: dict) -> dict[str, bool]:
+    """The EAGLE-3.1 norm flags of an export, wherever a stack writes them: vLLM reads norm_before_fc from
+    eagle_config first, then the top level; speculators writes them at the top level (absent = false, as the
+    speculators library reads them; vLLM alone assumes norm_before_residual true for a speculators config
+    without it, which is why every export of draftsmith writes all four)."""
+    eagle = config.get("eagle_config") or {}
+    flags = {}
+    for name in NORM_OPTIONS:
+        value = eagle.get(name, config.get(name, False))
+        if value is None:
+            value = False
+        if not isinstance(value, bool):
+            raise ImportFormatError(f"the export's {name} is {value!r}; it must be true or false")
+        flags[name] = value
+    if flags["norm_before_fc"] and flags["fc_norm"]:
+        raise ImportFormatError("the export sets both norm_before_fc and fc_norm, which exclude each other (the "
+                                "speculators library refuses such a config too)")
+    return flags
+
+
+def refuse_unknown_flags(config: dict) -> None:
+    """An import never drops a flag silently: a config key set true at the top level, in eagle_config or in the
+    layer's config that draftsmith does not read is refused by name (it may change what the drafter computes:
+    attention_bias, mlp_bias, a norm draftsmith does not have)."""
+    places = {"": config, "eagle_config.": config.get("eagle_config") or {},
+              "transformer_layer_config.": config.get("transformer_layer_config") or {}}
+    unknown = [prefix + key for prefix, fields in places.items() for key, value in fields.items()
+               if value is True and key not in INERT_FLAGS and key not in NORM_OPTIONS]
+    if unknown:
+        raise ImportFormatError(f"the export sets {', '.join(unknown)}: true, which draftsmith's EAGLE-3 does not "
+                                "read; importing it would drop what the flag changes. If the flag is known not to "
+                                "change the drafter's computation, set it false in config.json")
+    layer = places["transformer_layer_config."] or config
+    if layer.get("hidden_act", "silu") != "silu":
+        raise ImportFormatError(f"the export's draft layer uses hidden_act '{layer['hidden_act']}'; draftsmith's "
+                                "EAGLE-3 layer is SiLU")

@@ -35,7 +35,8 @@ from torch import nn
 from draftsmith.heads.decoding.dynamic_tree import TreeSettings
 from draftsmith.heads.decoding.parallel import clamp_depth, parallel_tree, resolve_mask_token
 from draftsmith.heads.drafter import DraftContext
-from draftsmith.heads.eagle3 import NORM_OPTIONS, Eagle3, Eagle3Config, read_eagle3, read_norm_flags
+from draftsmith.heads.eagle3 import Eagle3, Eagle3Config, read_eagle3
+from draftsmith.heads.eagle3_layout import NORM_OPTIONS, read_norm_flags
 from draftsmith.heads.eagle3_layout import is_parallel
 from draftsmith.heads.eagle3_layout import layout_tensors as eagle3_tensors
 from draftsmith.heads.eagle3_layout import (llama_eagle3_config, llama_fields, recognizes, speculators_layer_ids,
