@@ -168,6 +168,18 @@ def recommendation(results: list[dict]) -> str:
     return " | ".join(lines) if lines else "nothing measured"
 
 
+def require_serving_k(config: dict, k: int) -> None:
+    """A drafter whose block fixes the served K (DSpark) is refused at any other --num-speculative-tokens."""
+    from draftsmith.heads.formats import formats_of
+
+    served_as = formats_of(config["kind"]).get("vllm")
+    fixed = served_as.serving_k(config) if served_as is not None and served_as.serving_k else None
+    if fixed is not None and k != fixed:
+        raise BenchError(f"--num-speculative-tokens {k} does not match this {config['kind']} drafter's block: it was "
+                         f"trained to draft {fixed} tokens a block (block_size {config['drafter']['block_size']}), and a "
+                         f"stack given another K drafts a different block; give --num-speculative-tokens {fixed}")
+
+
 def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_progress: bool = True) -> dict:
     """Load, sweep, summarise, write report.json / report.md / report.html (+ PNG plots) to out_dir."""
 
@@ -182,6 +194,8 @@ def bench(checkpoint: str, settings: BenchSettings, out_dir: str | Path, show_pr
                              "trained checkpoint, or drop --against")
     else:
         config = read_config(checkpoint)     # a damaged or missing checkpoint is named before anything loads
+        if settings.engine == "vllm":
+            require_serving_k(config, settings.num_speculative_tokens)
     out_dir = Path(out_dir).expanduser()
     require_writable(out_dir.resolve(), "--out")
     out_dir.mkdir(parents=True, exist_ok=True)

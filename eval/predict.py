@@ -284,9 +284,10 @@ def predict_report(checkpoint: str, out: Path, dtype: str = "auto", device: str 
     if engine == "vllm":
         from draftsmith.heads.formats import formats_of
         served_as = formats_of(config["kind"]).get("vllm")
-        if served_as is not None and served_as.whole_depth and set(ks) - {0, deepest}:
+        if served_as is not None and (served_as.whole_depth or served_as.serving_k) and set(ks) - {0, deepest}:
             profile.notes.append(f"K = {deepest} only: vLLM drafts all {deepest} positions of a {config['kind']} "
-                                 "drafter each step, whatever K it is given")
+                                 "drafter each step, whatever K it is given" if served_as.whole_depth else
+                                 f"K = {deepest} only: a {config['kind']} drafter is served at the K of its block")
             ks = tuple(sorted({k for k in ks if k == 0} | {deepest}))
     weights = hashlib.sha256((Path(checkpoint) / "model.safetensors").read_bytes()).hexdigest()[:16] \
         if (Path(checkpoint) / "model.safetensors").is_file() else "?"

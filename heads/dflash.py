@@ -99,9 +99,15 @@ class DFlashConfig:
         if self.loss not in LOSSES:
             raise ValueError(f"drafter.loss must be one of {', '.join(LOSSES)}, got '{self.loss}'")
         TreeSettings(**self.tree)
-        if self.tree["depth"] > self.block_size - 1:
-            raise ValueError(f"drafter.tree.depth {self.tree['depth']} is more than the {self.block_size - 1} "
-                             "masks of a block (drafter.block_size - 1): lower it or train a larger block")
+        if self.tree["depth"] > self.drafts():
+            raise ValueError(f"drafter.tree.depth {self.tree['depth']} is more than the {self.drafts()} drafts of a "
+                             f"block ({self.drafts_rule}): lower it or train a larger block")
+
+    drafts_rule = "drafter.block_size - 1 masks"
+
+    def drafts(self) -> int:
+        """Tokens one block drafts: the slots after the target's next token."""
+        return self.block_size - 1
 
     def check_recipe(self, recipe) -> None:
         """What needs the rest of the recipe: the block must fit the training sequences."""
@@ -117,6 +123,7 @@ class DFlash(DrafterBase):
     config_class = DFlashConfig
     dynamic_tree = True            # a parallel tree (config.tree), tuned by eval like EAGLE-2's
     one_forward = True             # every depth of a proposal comes from one drafter forward
+    first_slot = 1                 # the block slot that drafts x_{a+1}: the first mask (slot 0 holds x_a)
 
     def __init__(self, config: DFlashConfig, target: Target):
         super().__init__()
@@ -162,8 +169,13 @@ class DFlash(DrafterBase):
                 "eos_token_id": eos[0] if len(eos) == 1 else eos}
 
     @property
+    def drafts(self) -> int:
+        """Tokens a block drafts (slots first_slot .. K): draft d is x_{a+d+1}."""
+        return self.config.block_size - self.first_slot
+
+    @property
     def draft_positions(self) -> int:
-        return self.K
+        return self.drafts
 
     def set_draft_vocabulary(self, draft_to_target: torch.Tensor) -> None:
         """Scored tokens (ascending target ids); the lm_head restarts from the target's rows for them."""
@@ -187,12 +199,13 @@ class DFlash(DrafterBase):
         return [layer.self_attn.context(c, cos, sin) for layer in self.layers]
 
     def run_block(self, tokens: torch.Tensor, positions: torch.Tensor, context_kv: list, mask) -> torch.Tensor:
-        """tokens, positions [b, n] -> the block's logits [b, n, v] (slot 0's included)."""
+        """tokens, positions [b, n] -> the block's final states norm(h) [b, n, H] (slot 0's included), what
+        lm_head reads."""
         h = self.embed(tokens)
         cos, sin = self.rotary(h, positions)
         for layer, kv in zip(self.layers, context_kv):
             h = layer(h, cos, sin, kv, mask)
-        return self.lm_head(self.norm(h))
+        return self.norm(h)
 
     def block_tokens(self, first: torch.Tensor) -> torch.Tensor:
         """first [...] -> [..., K+1]: each block, the given token then K masks."""
@@ -208,10 +221,10 @@ class DFlash(DrafterBase):
         return ok
 
     def loss_counts(self, batch: dict) -> torch.Tensor:
-        """[K]: the anchors a step trains (per sequence, min(anchors, candidates)); every slot's mean is
+        """[drafts]: the anchors a step trains (per sequence, min(anchors, candidates)); every slot's mean is
         over them, a slot past the reply scoring zero (so the count follows from the masks alone)."""
         per_row = self.anchor_candidates(batch).sum(1).clamp(max=self.config.anchors)
-        return per_row.sum().float().expand(self.K).clone()
+        return per_row.sum().float().expand(self.drafts).clone()
 
     def sample_anchors(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Random anchors per sequence: positions [b, A] and which are real [b, A] (fewer candidates: padded).
@@ -245,8 +258,12 @@ class DFlash(DrafterBase):
         return torch.cat(probs), torch.cat(top), torch.cat(ok)
 
     def block_logits(self, batch: dict, anchors: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """Every anchor's block in one query batch per sequence -> logits [b, A, K+1, v].  Block a sees the
-        context at positions < a (inside the sequence) and its own K+1 tokens, nothing else."""
+        """Every anchor's block -> logits [b, A, K+1, v] (block_states through lm_head)."""
+        return self.lm_head(self.block_states(batch, anchors, real))
+
+    def block_states(self, batch: dict, anchors: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Every anchor's block in one query batch per sequence -> final states [b, A, K+1, H].  Block a sees
+        the context at positions < a (inside the sequence) and its own K+1 tokens, nothing else."""
         input_ids, valid = batch["input_ids"], batch["attention_mask"].bool()
         b, s = input_ids.shape
         A, n = anchors.shape[1], self.K + 1
@@ -262,16 +279,22 @@ class DFlash(DrafterBase):
         return self.run_block(tokens, block_positions, context_kv, mask[:, None]).reshape(b, A, n, -1)
 
     def loss(self, batch: dict) -> StepOutput:
-        """Sum over mask slots j of decay^(j-1) * loss(target at a+j-1, slot j of anchor a), over the anchors.
-        The target's distribution is computed once at each position some slot needs."""
+        """Sum over drafts d of decay^d * loss(target at a+d, draft d of anchor a), over the anchors."""
         anchors, real = self.sample_anchors(batch)
-        logits = self.block_logits(batch, anchors, real)                                  # [b, A, n, v]
+        states = self.block_states(batch, anchors, real)
+        return self.block_loss(batch, anchors, real, self.lm_head(states[:, :, self.first_slot:]))
+
+    def block_loss(self, batch: dict, anchors: torch.Tensor, real: torch.Tensor, logits: torch.Tensor,
+                   extra=None) -> StepOutput:
+        """logits [b, A, D, v]: draft d of anchor a, x_{a+d+1}, scored against the target's distribution at a+d
+        (computed once at each position some draft needs), weighted decay^d.  `extra(d, scored, logits, probs,
+        denominator)`, if given, returns a further loss term for draft d's scored anchors (DSpark's confidence)."""
         b, s = batch["input_ids"].shape
         reply = batch["loss_mask"].bool() & batch["attention_mask"].bool()
         device = batch["input_ids"].device
         rows = torch.arange(b, device=device)[:, None].expand_as(anchors)
         scored = [real & (anchors + j < s) & reply.gather(1, (anchors + j).clamp(max=s - 1))
-                  for j in range(1, self.K + 1)]                                       # slot j drafts a+j
+                  for j in range(1, logits.shape[2] + 1)]                                # draft j-1 is a+j
         needed = torch.zeros(b, s, dtype=torch.long, device=device)         # scattered, not compacted: no wait
         for j, ok in enumerate(scored, start=1):
             needed.index_put_((rows, (anchors + j - 1).clamp(max=s - 1)), ok.long(), accumulate=True)
@@ -281,14 +304,17 @@ class DFlash(DrafterBase):
         index[r, p] = torch.arange(r.numel(), device=device)
         denominators = term_denominators(batch, self.loss_counts(batch))
         total = 0 * logits.sum()            # connected to every weight, even when a micro-batch scores nothing
-        correct = torch.zeros(self.K, device=device)
-        counted = torch.zeros(self.K, device=device)
+        correct = torch.zeros(len(scored), device=device)
+        counted = torch.zeros(len(scored), device=device)
         for j, ok in enumerate(scored, start=1):
             counted[j - 1] = ok.sum()
             ok = ok.nonzero(as_tuple=True)              # one host wait per slot (docs/scale.md)
             at = index[rows[ok], anchors[ok] + j - 1]
-            per, guess = acceptance_loss(logits[:, :, j][ok], probs[at], in_vocab[at].float(), self.config.loss)
+            drafted = logits[:, :, j - 1][ok]
+            per, guess = acceptance_loss(drafted, probs[at], in_vocab[at].float(), self.config.loss)
             total = total + (self.config.loss_decay ** (j - 1)) * divide(per.sum(), denominators[j - 1])
+            if extra is not None:
+                total = total + extra(j - 1, ok, drafted, probs[at], denominators[j - 1])
             correct[j - 1] = ((guess == top[at]) & in_vocab[at]).sum()
         return StepOutput(loss=total, correct=correct, counted=counted)
 
@@ -305,7 +331,7 @@ class DFlash(DrafterBase):
             if tree_size:
                 defaults["total_tokens"] = tree_size
             settings = TreeSettings(**defaults)
-        self.tree = clamp_depth(settings, self.K)
+        self.tree = clamp_depth(settings, self.drafts)
 
     def describe_proposal(self) -> str:
         if self.tree.top_k == 1:
@@ -317,8 +343,12 @@ class DFlash(DrafterBase):
         self.context_kv = None
 
     def draft_logits(self, context: DraftContext) -> torch.Tensor:
+        """logits [depth, v] of the first depth drafts (draft_states through lm_head)."""
+        return self.lm_head(self.draft_states(context))
+
+    def draft_states(self, context: DraftContext) -> torch.Tensor:
         """Add the newly committed tokens' context keys, run the block [next token, K masks] at positions
-        position .. position+K -> logits [depth, v] of the first depth masks."""
+        position .. position+K -> final states [depth, H] of the first depth drafts."""
         device = self.fc.weight.device
         m = context.tokens.shape[0]
         positions = torch.arange(context.position - m, context.position, device=device)[None]
@@ -331,8 +361,8 @@ class DFlash(DrafterBase):
                                for (k, v), (nk, nv) in zip(self.context_kv, new)]
         tokens = self.block_tokens(torch.tensor([context.next_token], device=device))       # [1, K+1]
         block_positions = torch.arange(context.position, context.position + self.K + 1, device=device)[None]
-        logits = self.run_block(tokens, block_positions, self.context_kv, None)[0]           # [K+1, v]
-        return logits[1:1 + self.tree.depth]
+        states = self.run_block(tokens, block_positions, self.context_kv, None)[0]           # [K+1, H]
+        return states[self.first_slot:self.first_slot + self.tree.depth]
 
     @torch.no_grad()
     def propose(self, context: DraftContext):
@@ -356,7 +386,7 @@ def qwen3_fields(config: dict, dtype) -> dict:
             "bos_token_id": shape.get("bos_token_id"), "eos_token_id": shape.get("eos_token_id")}
 
 
-def _tensors(config, weights, dtype, fmt) -> dict:
+def export_tensors(config, weights, dtype, fmt) -> dict:
     out = renamed(config, weights, fmt)
     draft = weights[VOCABULARY].long()
     if draft.numel() != config["target"]["vocab_size"]:     # vLLM loads d2t only for a smaller draft vocabulary
@@ -376,7 +406,7 @@ def _write_vllm(config, weights, target, dtype, checkpoint):
              f"keys and values from target layers {ids} (vLLM's dflash_config names a layer by its output: "
              f"draftsmith's hidden_states ids {config['target_layer_ids']} minus one). The embedding is the "
              "target's. Serve it with num_speculative_tokens = block_size - 1, the block it was trained on.")
-    return ({"model.safetensors": _tensors(config, weights, dtype, "vllm")},
+    return ({"model.safetensors": export_tensors(config, weights, dtype, "vllm")},
             {"config.json": cfg, "README.md": readme(config, checkpoint, "DFlash drafter for vLLM",
                                                        _serve(config, "vllm"), notes)})
 
@@ -396,7 +426,7 @@ def _write_speculators(config, weights, target, dtype, checkpoint):
            "torch_dtype": layer["torch_dtype"]}
     notes = ("speculators names the fused layers by a decoder layer's input (aux_hidden_state_layer_ids, "
              "draftsmith's convention); vLLM subtracts one for its dflash_config.")
-    return ({"model.safetensors": _tensors(config, weights, dtype, "speculators")},
+    return ({"model.safetensors": export_tensors(config, weights, dtype, "speculators")},
             {"config.json": cfg, "README.md": readme(config, checkpoint, "DFlash drafter (speculators format)",
                                                        _serve(config, "speculators"), notes)})
 
@@ -409,7 +439,7 @@ def _serve(config: dict, fmt: str) -> str:
     return "vllm serve THIS_DIR   # vLLM reads the verifier and the speculative settings from this config"
 
 
-def _reads(fmt: str):
+def reader(fmt: str):
     def read(config, weights, target, confirmed=False):
         layer = config.get("transformer_layer_config", config)
         if fmt == "speculators":
@@ -450,13 +480,15 @@ def _reads(fmt: str):
 
 
 def _recognizes(config: dict) -> bool:
+    if config.get("speculators_model_type") == "dspark" or any("DSpark" in str(a) for a in config.get("architectures") or ()):
+        return False                # DSpark's vLLM config carries a dflash_config too (heads/dspark.py reads it)
     return (config.get("speculators_model_type") == "dflash" or "dflash_config" in config
             or any("DFlash" in str(a) for a in config.get("architectures") or ()))
 
 
 DFlash.formats = (
-    ExportFormat("vllm", _write_vllm, lambda c: _serve(c, "vllm"), read=_reads("vllm"), recognizes=_recognizes,
+    ExportFormat("vllm", _write_vllm, lambda c: _serve(c, "vllm"), read=reader("vllm"), recognizes=_recognizes,
                  method="dflash", parallel_drafting=False),
-    ExportFormat("speculators", _write_speculators, lambda c: _serve(c, "speculators"), read=_reads("speculators"),
+    ExportFormat("speculators", _write_speculators, lambda c: _serve(c, "speculators"), read=reader("speculators"),
                  recognizes=_recognizes),
 )

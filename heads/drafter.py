@@ -247,6 +247,11 @@ def warm_start(drafter, directory: str | Path) -> None:
     identity = TargetIdentity.from_dict(config["target"])
     identity.require_same(dataclasses.replace(drafter.target_identity, adapter_sha256=identity.adapter_sha256),
                           f"drafter.init_from '{directory}'")
+    theirs, mine = config.get("target_layer_ids"), drafter.fused_layer_ids()
+    if theirs is not None and list(theirs) != list(mine):
+        raise CheckpointError(f"drafter.init_from '{directory}' reads target layers {list(theirs)}, this recipe's "
+                              f"drafter {list(mine)}: the same shapes over other layers would start from weights "
+                              f"fitted to other features; set drafter.layer_ids: {list(theirs)}")
     state, own = read_weights(directory, config), drafter.state_dict()
     differ = [f"{k}: {tuple(state[k].shape)} there, {tuple(own[k].shape)} here" for k in own
               if k in state and state[k].shape != own[k].shape]

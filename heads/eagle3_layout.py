@@ -120,8 +120,8 @@ def convention_ids(written: list[int], fmt: str, num_layers: int, confirmed: boo
 
 def recognizes(config: dict) -> bool:
     """An EAGLE-3 config: a draft vocabulary (the layer's fields, nested by speculators) or the architecture."""
-    if "dflash_config" in config or config.get("speculators_model_type") == "dflash":
-        return False                              # DFlash's Qwen3 layers have a draft vocabulary too
+    if "dflash_config" in config or config.get("speculators_model_type") in ("dflash", "dspark"):
+        return False                              # DFlash's and DSpark's Qwen3 layers have a draft vocabulary too
     return ("draft_vocab_size" in config.get("transformer_layer_config", config)
             or any("Eagle3" in str(a) for a in config.get("architectures") or ()))
 

@@ -57,6 +57,8 @@ class ExportFormat:
     parallel_drafting: bool = False  # vLLM's speculative_config needs parallel_drafting: true (P-EAGLE)
     whole_depth: bool = False        # the stack drafts every position the drafter has, whatever K it is given
     #                                  (vLLM's Medusa: one token per head), so it serves K = the drafter's depth only
+    serving_k: Callable[[dict], int] | None = None   # the one num_speculative_tokens the stack must be given (DSpark:
+    #                                  the block it was trained on); bench refuses another
     stitch: Callable | None = None   # stitch(tensors {file: {name: tensor}}, target_dir): put the drafter into
     #                                  the target `export --with-target` wrote (a layer the target itself carries)
 

@@ -7,7 +7,7 @@ from draftsmith.heads.drafter import describe
 from draftsmith.heads.formats import layout, names
 from draftsmith.heads.registry import registry
 
-SHIPPED = ("medusa", "medusa2", "eagle", "eagle3", "p_eagle", "dflash")       # a drafter added to heads/ must get a row in SETTINGS
+SHIPPED = ("medusa", "medusa2", "eagle", "eagle3", "p_eagle", "dflash", "dspark")       # a drafter added to heads/ must get a row in SETTINGS
 
 SETTINGS = {"medusa": [{"num_heads": 2}, {"num_heads": 3, "lm_head": "own", "num_layers": 2, "draft_vocab_size": 24},
                        {"num_heads": 2, "conditioning": "path"}],
@@ -17,7 +17,11 @@ SETTINGS = {"medusa": [{"num_heads": 2}, {"num_heads": 3, "lm_head": "own", "num
             "p_eagle": [{"layer_ids": [1, 1, 2], "draft_vocab_size": 40, "ttt_steps": 3,
                          "tree": {"depth": 3, "top_k": 2, "total_tokens": 5}}],
             "dflash": [{"layer_ids": [1, 2], "draft_vocab_size": 40, "num_layers": 2},
-                       {"draft_vocab_size": None, "block_size": 3, "tree": {"depth": 2, "top_k": 2, "total_tokens": 4}}]}
+                       {"draft_vocab_size": None, "block_size": 3, "tree": {"depth": 2, "top_k": 2, "total_tokens": 4}}],
+            "dspark": [{"layer_ids": [1, 2], "draft_vocab_size": 40, "num_layers": 2, "markov_rank": 8},
+                       {"draft_vocab_size": None, "block_size": 3, "markov_rank": 0, "confidence_with_markov": False,
+                        "sample_from_anchor": False},
+                       {"markov_rank": 4, "draft_vocab_size": 40, "confidence_head": False, "confidence_threshold": None}]}
 
 
 def cases():
@@ -67,7 +71,8 @@ def test_format_names_are_one_to_one_and_cover_the_layout(tiny_target, kind, fmt
     settings = {"medusa": {"num_heads": 3, "num_layers": 2, "lm_head": "own"},
                 "eagle3": {"layer_ids": [1, 1, 2], "draft_vocab_size": 40},
                 "p_eagle": {"layer_ids": [1, 1, 2], "draft_vocab_size": 40},
-                "dflash": {"layer_ids": [1, 2], "draft_vocab_size": 40, "num_layers": 2}}[kind]
+                "dflash": {"layer_ids": [1, 2], "draft_vocab_size": 40, "num_layers": 2},
+                "dspark": {"layer_ids": [1, 2], "draft_vocab_size": 40, "num_layers": 2, "markov_rank": 8}}[kind]
     config = describe(cls(cls.config_class(**settings), tiny_target))
     mapping = names(config, fmt)
     assert len(set(mapping.values())) == len(mapping)

@@ -180,7 +180,7 @@ def test_bad_block_and_mask_settings_are_named(tiny_target):
 
     with pytest.raises(ValueError, match="block_size is DFlash's query block"):
         DFlashConfig(block_size=1)
-    with pytest.raises(ValueError, match="more than the 3 masks"):
+    with pytest.raises(ValueError, match=r"more than the 3 drafts of a block \(drafter.block_size - 1 masks\)"):
         DFlashConfig(block_size=4, tree={"depth": 4, "top_k": 1, "total_tokens": 4})
     with pytest.raises(ValueError, match="outside the target's vocabulary"):
         DFlash(DFlashConfig(draft_vocab_size=40, layer_ids=[1, 2], mask_token_id=10 ** 6), tiny_target)

@@ -77,7 +77,8 @@ def test_a_spread_target_loads_and_its_logits_come_back_to_the_callers_device(sp
 
 SETTINGS = {"medusa": ({"num_heads": 3}, {"tree": TreeShape([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])}),
             "eagle3": ({"layer_ids": [1, 2, 3], "draft_vocab_size": 40}, {"tree": TreeSettings(3, 2, 5)}),
-            "eagle": ({}, {"chain": 3})}
+            "eagle": ({}, {"chain": 3}),
+            "dspark": ({"layer_ids": [1, 2], "draft_vocab_size": 40, "markov_rank": 8, "block_size": 4}, {"chain": 4})}
 
 
 @pytest.mark.parametrize("kind", sorted(SETTINGS))
@@ -232,7 +233,8 @@ def test_on_a_cpu_vllm_engines_run_eager_without_a_gpu_share(tmp_path, monkeypat
 AUDITED = {"medusa": {"num_heads": 2}, "medusa2": {"num_heads": 2}, "eagle": {},
            "eagle3": {"layer_ids": [1, 1, 2], "draft_vocab_size": 40},
            "p_eagle": {"layer_ids": [1, 1, 2], "draft_vocab_size": 40},
-           "dflash": {"layer_ids": [1, 2], "draft_vocab_size": 40, "num_layers": 2}}
+           "dflash": {"layer_ids": [1, 2], "draft_vocab_size": 40, "num_layers": 2},
+           "dspark": {"layer_ids": [1, 2], "draft_vocab_size": 40, "num_layers": 2, "markov_rank": 8}}
 
 
 def floating_buffers(module) -> dict[str, torch.Tensor]:
@@ -309,7 +311,7 @@ def test_resume_state_saves_and_restores_every_cuda_generator(tmp_path):
 
 # -- training attention in a form a fused CUDA kernel takes ------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["eagle3", "p_eagle", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "p_eagle", "dflash", "dspark"])
 def test_masked_training_attention_takes_a_fused_kernel_form_under_the_cuda_rule(tiny_target, monkeypatch, kind):
     """Under the CUDA rule (forced on the CPU) every masked SDPA call of the training-time test (EAGLE-3,
     P-EAGLE) and of DFlash's block has as many key heads as query heads and no enable_gqa (flash refuses a
@@ -322,7 +324,8 @@ def test_masked_training_attention_takes_a_fused_kernel_form_under_the_cuda_rule
     cls = registry()[kind]
     settings = {"eagle3": {"layer_ids": [1, 1, 2], "draft_vocab_size": 40},
                 "p_eagle": {"layer_ids": [1, 1, 2], "draft_vocab_size": 40},
-                "dflash": {"layer_ids": [1, 2], "draft_vocab_size": 40, "num_layers": 2}}[kind]
+                "dflash": {"layer_ids": [1, 2], "draft_vocab_size": 40, "num_layers": 2},
+                "dspark": AUDITED["dspark"]}[kind]
     torch.manual_seed(0)
     drafter = cls(cls.config_class(**settings), tiny_target)
     assert tiny_target.config.num_key_value_heads < tiny_target.config.num_attention_heads   # grouped heads
@@ -431,7 +434,7 @@ def documented_waits() -> dict[str, str]:
     return dict(re.findall(r"^\s*\| `(\w+)` \| ([^|]+?) \|", text, flags=re.M))
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "p_eagle", "dflash", "mtp"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "p_eagle", "dflash", "dspark", "mtp"])
 def test_a_drafters_loss_waits_on_the_device_as_often_as_docs_scale_says(tmp_path, kind):
     """One micro-batch's loss and backward on a virtual CUDA device: the host's waits (`.item()`, `int()`,
     `nonzero`, a boolean mask index, ...) are counted and must be what docs/scale.md's table says.  Before:
@@ -452,6 +455,7 @@ def test_a_drafters_loss_waits_on_the_device_as_often_as_docs_scale_says(tmp_pat
         mode.host_waits.clear()
         drafter.loss(batch).loss.backward()
         waits = list(mode.host_waits)
-    expected = documented[kind].replace("K", str(getattr(drafter, "K", 0))).replace(
+    expected = documented[kind].replace("D", str(getattr(drafter, "drafts", 0))).replace(
+        "K", str(getattr(drafter, "K", 0))).replace(
         "train_steps", str(getattr(drafter.config, "train_steps", 0)))
     assert len(waits) == sum(int(term) for term in expected.split("+")), (kind, waits, documented[kind])
