@@ -113,8 +113,12 @@ fit(load_recipe(sys.argv[1], sys.argv[2:]), progress=False)
 
 
 @pytest.mark.multiprocess
-def test_training_killed_and_resumed_ends_with_the_same_weights(tiny_target_dir, tmp_path):
-    raw = tiny_recipe(tmp_path, tiny_target_dir, save_every=1)
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_training_killed_and_resumed_ends_with_the_same_weights(tiny_target_dir, tmp_path, optimizer):
+    """Muon's momentum and AdamW's moments are in the resume state: a run killed and resumed ends where the
+    uninterrupted run ends, bit for bit, with either optimizer."""
+    raw = tiny_recipe(tmp_path, tiny_target_dir, save_every=1, optimizer=optimizer)
+    raw["drafter"]["num_layers"] = 1                     # a hidden matrix per head, which Muon trains
     recipe_path = tmp_path / "recipe.yaml"
     recipe_path.write_text(yaml.safe_dump(raw))
     script = tmp_path / "train.py"
@@ -260,3 +264,41 @@ def test_train_seed_trains_again_on_the_same_data_and_held_out_split(tiny_target
     target = Target.load(str(tiny_target_dir), "float32")
     split = [sorted(load_training_data(r, target).heldout["id"]) for r in (first, recipe_from_dict(raw))]
     assert split[0] == split[1] and split[0]
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tiny_target):
+    """The split by shape and name, and one step of each part: matrices move by Muon's orthogonalised update,
+    norms and the vocabulary head by AdamW's; the schedule's lr reaches both; a bad name is refused."""
+    from draftsmith.heads.eagle3 import Eagle3, Eagle3Config
+    from draftsmith.train.optimizers import MuonWithAdamW, build_optimizer
+    from draftsmith.train.settings import TrainSettings
+
+    drafter = Eagle3(Eagle3Config(layer_ids=[1, 1, 2], draft_vocab_size=40), tiny_target)
+    optimizer = build_optimizer(drafter, TrainSettings(optimizer="muon", lr=1e-2))
+    assert isinstance(optimizer, MuonWithAdamW)
+    muon, adamw = optimizer.parts
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    on_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    on_adamw = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert "fc.weight" in on_muon and any("q_proj" in n for n in on_muon) and any("down_proj" in n for n in on_muon)
+    assert "lm_head.weight" in on_adamw and all(drafter.get_parameter(n).ndim == 1 or "lm_head" in n for n in on_adamw)
+    assert on_muon | on_adamw == {n for n, p in drafter.named_parameters() if p.requires_grad}
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+    assert {g["lr"] for g in muon.param_groups + adamw.param_groups} == {5e-3}
+    before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+    for p in drafter.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    scheduler.step()
+    moved = {n for n, p in drafter.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == on_muon | on_adamw
+    saved = optimizer.state_dict()
+    fresh = build_optimizer(drafter, TrainSettings(optimizer="muon", lr=1e-2))
+    fresh.load_state_dict(saved)
+    assert torch.equal(fresh.parts[0].state[drafter.fc.weight]["momentum_buffer"],
+                       muon.state[drafter.fc.weight]["momentum_buffer"])
+    with pytest.raises(ValueError, match="not Muon with AdamW's"):
+        fresh.load_state_dict(torch.optim.AdamW(drafter.parameters()).state_dict())
+    from draftsmith.train.settings import RecipeError
+    with pytest.raises(RecipeError, match="train.optimizer must be adamw or muon, got 'sgd'"):
+        TrainSettings(optimizer="sgd")

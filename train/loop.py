@@ -34,11 +34,12 @@ from draftsmith.heads.runtime.target import Target, TargetError
 from .accelerator import fill_deepspeed_sizes, make_accelerator, whole_target, zero_stage
 from .batches import (Batches, feature_layers, load_training_data, require_data_for_launch, step_denominators,
                       training_target)
-from .checkpointing import guard_output, load_state, require_checkpoint_space, save_checkpoint
+from .checkpointing import guard_output, load_state, require_checkpoint_space, save_checkpoint, sharding_of
+from .optimizers import build_optimizer
 from .plan import check_drafter_size, check_sequence_memory
 from .schedule import LaunchClock, warmup_cosine
 from .validation import check_replicas, features_for, validate
-from .settings import Recipe, loader_workers
+from .settings import Recipe, RecipeError, loader_workers
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,11 @@ def _fit(recipe: Recipe, accelerator, target: Target | None, progress: bool) -> 
     total_steps = math.ceil(steps_per_epoch * recipe.train.epochs)
     if recipe.train.max_steps:
         total_steps = min(total_steps, recipe.train.max_steps)
-    optimizer = torch.optim.AdamW(drafter.param_groups(recipe.train.lr), lr=recipe.train.lr, betas=recipe.train.betas,
-                                  weight_decay=recipe.train.weight_decay)
+    if recipe.train.optimizer == "muon" and sharding_of(accelerator):
+        raise RecipeError(f"train.optimizer muon runs under DDP or in one process; this launch shards the drafter "
+                          f"with {sharding_of(accelerator)}, whose optimizer state draftsmith saves for AdamW only: "
+                          "launch with recipes/accelerate/ddp.yaml, or set train.optimizer adamw")
+    optimizer = build_optimizer(drafter, recipe.train)
     clock = LaunchClock(recipe.train.max_minutes * 60 if recipe.train.max_minutes else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(recipe.train.warmup_steps, total_steps, clock))

@@ -109,8 +109,11 @@ class TrainSettings:
     """Sequences per micro-batch (per process)."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
+    optimizer: str = "adamw"
+    """adamw, or muon: Muon on the drafter's hidden matrices and AdamW on the rest (train/optimizers.py;
+    DDP or one process: FSDP and DeepSpeed keep AdamW)."""
     lr: float = 1e-3
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate (both optimizers' with muon)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     weight_decay: float = 0.0
@@ -159,6 +162,8 @@ class TrainSettings:
         self.betas = tuple(self.betas)
         if self.mixed_precision not in ("auto", "bf16", "no"):
             raise RecipeError(f"train.mixed_precision must be auto, bf16 or no, got '{self.mixed_precision}'")
+        if self.optimizer not in ("adamw", "muon"):
+            raise RecipeError(f"train.optimizer must be adamw or muon, got '{self.optimizer}'")
         if self.features not in ("cache", "online"):
             raise RecipeError(f"train.features must be cache or online, got '{self.features}'")
         if self.report_to not in ("none", "wandb", "tensorboard"):
