@@ -191,8 +191,13 @@ class Eagle3(EagleDecoding, DrafterBase):
     def fuse(self, features: dict) -> torch.Tensor:
         """{layer: [..., T]} -> fc(cat of the three layers) [..., H], each layer normed first (fc_norm) or
         their concatenation (norm_before_fc) where the drafter has those norms."""
+        return self.project([features[i] for i in self.layer_ids])
+
+    def project(self, parts: list) -> torch.Tensor:
+        """The three fused inputs [..., T] each -> fc of their concatenation [..., H], through the feature
+        norms the drafter has (fc_norm per part, norm_before_fc over the concatenation)."""
         dtype = self.fc.weight.dtype
-        parts = [features[i].to(dtype) for i in self.layer_ids]
+        parts = [part.to(dtype) for part in parts]
         if self.fc_norm is not None:
             parts = [norm(part).to(dtype) for norm, part in zip(self.fc_norm, parts)]
         stacked = torch.cat(parts, dim=-1)

@@ -26,6 +26,7 @@ on an alternative).  Warm start: an EAGLE-3 checkpoint for the same target
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +37,7 @@ from draftsmith.heads.decoding.dynamic_tree import TreeSettings
 from draftsmith.heads.decoding.parallel import clamp_depth, parallel_tree, resolve_mask_token
 from draftsmith.heads.drafter import DraftContext
 from draftsmith.heads.eagle3 import Eagle3, Eagle3Config, read_eagle3
-from draftsmith.heads.eagle3_layout import NORM_OPTIONS, read_norm_flags
+from draftsmith.heads.eagle3_layout import norm_flags, read_norm_flags
 from draftsmith.heads.eagle3_layout import is_parallel
 from draftsmith.heads.eagle3_layout import layout_tensors as eagle3_tensors
 from draftsmith.heads.eagle3_layout import (llama_eagle3_config, llama_fields, recognizes, speculators_layer_ids,
@@ -46,6 +47,7 @@ from draftsmith.heads.registry import register
 from draftsmith.heads.runtime.target import Target
 
 MASK = "mask_hidden"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,10 +62,10 @@ class PEagleConfig(Eagle3Config):
 
     def __post_init__(self):
         super().__post_init__()
-        norms = [name for name in NORM_OPTIONS if getattr(self, name)]
-        if norms:
-            raise ValueError(f"drafter.{norms[0]}: P-EAGLE here has none of EAGLE-3.1's norm options yet (they are "
-                             "EAGLE-3's: kind eagle3); set them false")
+        if self.norm_output:
+            raise ValueError("drafter.norm_output: P-EAGLE drafts every position in one forward, so no step reads "
+                             "another's output and the flag changes nothing (speculators' P-EAGLE ignores it too); "
+                             "set it false. norm_before_fc, fc_norm and norm_before_residual apply")
         if self.ttt_steps < 2:
             raise ValueError(f"drafter.ttt_steps is P-EAGLE's K, the tokens drafted in one forward: at least 2, "
                              f"got {self.ttt_steps}")
@@ -93,8 +95,9 @@ class PEagle(Eagle3):
         return {**super().architecture(), "mask_token_id": self.mask_token_id}
 
     def mask_state(self) -> torch.Tensor:
-        """fc(mask_hidden): [1, H], the hidden input of every mask slot."""
-        return self.fc(self.mask_hidden.to(self.fc.weight.dtype))
+        """fc(mask_hidden): [1, H], the hidden input of every mask slot, through the same feature norms as the
+        target's fused features (speculators normalises the mask slots' input as the real one's)."""
+        return self.project(list(self.mask_hidden.chunk(len(self.layer_ids), dim=-1)))
 
     # -- training ----------------------------------------------------------------------
     def unroll(self, batch: dict):
@@ -165,7 +168,7 @@ def _write_vllm(config, weights, target, dtype, checkpoint):
     mask = config["architecture"]["mask_token_id"]
     # LlamaForCausalLMEagle3, not PEagleDraftModel: vLLM's EAGLEConfig prefixes "Eagle3" to an architecture
     # that neither starts nor ends with it, and "Eagle3PEagleDraftModel" is not in its registry.
-    cfg = {**llama_eagle3_config(config, dtype, ids), "eagle_aux_hidden_state_layer_ids": ids,
+    cfg = {**llama_eagle3_config(config, dtype, ids), "eagle_aux_hidden_state_layer_ids": ids, **norm_flags(config),
            "parallel_drafting": True, "mask_token_id": mask, "ptd_token_id": mask,
            "parallel_drafting_tokens": config["drafter"]["ttt_steps"]}
     notes = (f"P-EAGLE: K = {config['drafter']['ttt_steps']} tokens in one drafter forward, mask token {mask} and "
@@ -187,8 +190,8 @@ def _write_speculators(config, weights, target, dtype, checkpoint):
                                   "verifier": {"name_or_path": verifier_path(config),
                                                "architectures": [target_architecture(config)]}},
            "transformer_layer_config": layer, "draft_vocab_size": layer["draft_vocab_size"],
-           "target_hidden_size": layer["target_hidden_size"], "norm_before_residual": False,
-           "norm_before_fc": False, "eagle_aux_hidden_state_layer_ids": ids,
+           "target_hidden_size": layer["target_hidden_size"], **norm_flags(config),
+           "eagle_aux_hidden_state_layer_ids": ids,
            "mask_token_id": config["architecture"]["mask_token_id"], "torch_dtype": layer["torch_dtype"]}
     notes = "vLLM maps speculators' `peagle` to `method: eagle3` with `parallel_drafting: true`. " + repeated
     return ({"model.safetensors": _tensors(config, weights, dtype, "speculators")},
@@ -209,15 +212,16 @@ def _reads(fmt: str):
         if MASK not in weights:
             raise ImportFormatError(f"the export has no {MASK}: it is an EAGLE-3 drafter, not P-EAGLE (--from-kind "
                                     "eagle3, or import it as EAGLE-3)")
-        norms = [name for name, on in read_norm_flags(config).items() if on]
-        if norms:
-            raise ImportFormatError(f"this P-EAGLE drafter sets {', '.join(norms)}: draftsmith's P-EAGLE has none of "
-                                    "EAGLE-3.1's norm options yet (its EAGLE-3 does)")
+        norms = read_norm_flags(config)
+        if norms.pop("norm_output"):
+            log.warning("this P-EAGLE export sets norm_output: true, which changes nothing in a drafter that drafts "
+                        "every position in one forward (no step reads another's output; speculators' P-EAGLE "
+                        "ignores it too): imported with norm_output false")
         base = read_eagle3(config, {k: v for k, v in weights.items() if k != MASK}, target, fmt, confirmed)
         mask = config.get("mask_token_id", config.get("ptd_token_id"))
         K = int(config.get("speculators_config", {}).get("proposal_methods", [{}])[0].get("speculative_tokens", 4)
                 if fmt == "speculators" else config.get("parallel_drafting_tokens", 4))
-        drafter = PEagle(PEagleConfig(layer_ids=base.layer_ids, draft_vocab_size=base.draft_to_target.numel(),
+        drafter = PEagle(PEagleConfig(layer_ids=base.layer_ids, draft_vocab_size=base.draft_to_target.numel(), **norms,
                                       intermediate_size=base.shape.intermediate_size, ttt_steps=max(2, K),
                                       mask_token_id=None if mask is None else int(mask),
                                       tree={"depth": max(2, K), "top_k": 1, "total_tokens": max(2, K)}), target)

@@ -104,7 +104,7 @@ def test_every_export_writes_the_flags_and_import_reads_them_back(tiny_target, o
 def test_bad_options_and_flags_are_refused_by_name(tiny_target, tmp_path):
     with pytest.raises(ValueError, match="norm_before_fc and drafter.fc_norm exclude each other"):
         Eagle3Config(norm_before_fc=True, fc_norm=True)
-    with pytest.raises(ValueError, match="P-EAGLE here has none of EAGLE-3.1's norm options"):
+    with pytest.raises(ValueError, match="norm_output: P-EAGLE drafts every position in one forward"):
         PEagleConfig(norm_output=True)
     drafter = drafter_with(tiny_target)
     save_drafter(drafter, tmp_path / "ckpt")
@@ -131,15 +131,75 @@ def test_bad_options_and_flags_are_refused_by_name(tiny_target, tmp_path):
     assert isinstance(import_with(), Eagle3)      # the file as written still imports
 
 
-def test_a_p_eagle_export_with_norms_is_refused(tiny_target, tmp_path):
-    torch.manual_seed(0)
-    drafter = PEagle(PEagleConfig(layer_ids=[1, 1, 2], draft_vocab_size=40), tiny_target)
+P_EAGLE_NORMS = [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_before_residual": True},
+                 {"norm_before_fc": True, "norm_before_residual": True}]
+
+
+def p_eagle_with(target, seed=0, layer_ids=(1, 1, 2), **options) -> PEagle:
+    torch.manual_seed(seed)
+    drafter = PEagle(PEagleConfig(layer_ids=list(layer_ids), draft_vocab_size=40, ttt_steps=3,
+                                  tree={"depth": 3, "top_k": 1, "total_tokens": 3}, **options), target)
     drafter.set_draft_vocabulary(torch.arange(40) * 3)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif p.dim() == 2 and name != "mask_hidden":
+                p.normal_(0, 0.3)
+    return drafter
+
+
+@pytest.mark.parametrize("options", P_EAGLE_NORMS, ids=["+".join(o) for o in P_EAGLE_NORMS])
+def test_p_eagle_takes_the_norms_and_round_trips_them(tiny_target, tmp_path, options):
+    """P-EAGLE with speculators' P-EAGLE norms: the feature norms act on the mask slots' input as on the real
+    one's (mask_state changes with them), the option changes the drafts' logits, decoding stays lossless, and
+    both exports write the flags and import back to the same drafter and logits."""
+    drafter = p_eagle_with(tiny_target, **options)
+    plain = PEagle(PEagleConfig(layer_ids=[1, 1, 2], draft_vocab_size=40, ttt_steps=3,
+                                tree={"depth": 3, "top_k": 1, "total_tokens": 3}), tiny_target)
+    plain.load_state_dict(drafter.state_dict(), strict=False)
+    if "norm_before_fc" in options or "fc_norm" in options:
+        assert not torch.allclose(drafter.mask_state(), plain.mask_state())
+    batch = sequence_batch(tiny_target, drafter)
+    with torch.no_grad():
+        mine = [drafter.logits(h) for h, _ in zip(drafter.unroll(batch), range(3))]
+        without = [plain.logits(h) for h, _ in zip(plain.unroll(batch), range(3))]
+    assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(mine, without))
+    cases = prompts(tiny_target, count=2)
+    if len(options) > 1:                     # lossless with drafts accepted: once, with two norms at a time
+        from test_p_eagle import drafter_for
+        fitted, trained = drafter_for(tiny_target, **options), prompts(tiny_target)
+        overfit(tiny_target, fitted, [p + decode(tiny_target, p, 40).tokens[:34] for p in trained])
+        assert_exact_with_accepted_drafts(tiny_target, fitted, trained)
+    save_drafter(drafter, tmp_path / "ckpt")
+    for fmt in ("vllm", "speculators"):
+        out = export(tmp_path / "ckpt", fmt, tmp_path / fmt, dtype="float32")
+        written = json.loads((out / "config.json").read_text())
+        assert {name: written[name] for name in NORM_OPTIONS} == {name: options.get(name, False)
+                                                                  for name in NORM_OPTIONS}, fmt
+        back = import_drafter(out, fmt, tiny_target)
+        assert isinstance(back, PEagle)
+        assert all(getattr(back.config, name) == options.get(name, False) for name in NORM_OPTIONS)
+        theirs = back.state_dict()
+        assert all(torch.equal(v, theirs[k]) for k, v in drafter.state_dict().items()), fmt
+        for prompt in cases:
+            assert (decode(tiny_target, prompt, 16, drafter=back).accepted
+                    == decode(tiny_target, prompt, 16, drafter=drafter).accepted)
+
+
+def test_a_p_eagle_export_with_norm_output_imports_without_it(tiny_target, tmp_path, caplog):
+    """norm_output changes nothing in a one-forward drafter (speculators' P-EAGLE ignores it): an export
+    that sets it imports, with a warning saying so; a feature norm without its tensors is refused by name."""
+    drafter = p_eagle_with(tiny_target)
     save_drafter(drafter, tmp_path / "ckpt")
     out = export(tmp_path / "ckpt", "speculators", tmp_path / "spec", dtype="float32")
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "norm_output": True}))
-    with pytest.raises(ImportFormatError, match="P-EAGLE drafter sets norm_output"):
+    back = import_drafter(out, "speculators", tiny_target)
+    assert isinstance(back, PEagle) and back.config.norm_output is False
+    assert "norm_output: true, which changes nothing" in caplog.text
+    (out / "config.json").write_text(json.dumps({**config, "norm_before_fc": True}))
+    with pytest.raises(ImportFormatError, match="norm_before_fc: true but it has no input_norm.weight"):
         import_drafter(out, "speculators", tiny_target)
 
 

@@ -1,4 +1,5 @@
-"""DSpark exports in the serving stacks: the speculators library loads one tensor by tensor; vLLM 0.32 reads
+"""The drafters of late 2026 in the serving stacks: the speculators library loads a DSpark export and a P-EAGLE
+export with EAGLE-3.1's norms tensor by tensor; vLLM 0.32 reads a DSpark export's
 its config and, on this CPU, says why it cannot serve it (its DSpark runs in Model Runner V2 only, which needs
 Triton: a GPU).  Once a vLLM that serves DSpark here is installed, the second test compares vLLM's text with
 draftsmith's, and fails on anything but that one refusal."""
@@ -7,6 +8,7 @@ import subprocess
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_serving import REPO, speculators_python, vllm_python  # noqa: F401  (fixtures)
 
 from draftsmith.export import export
@@ -43,6 +45,24 @@ def test_the_speculators_library_loads_a_dspark_export_tensor_by_tensor(speculat
     assert results[0]["class"] == "DSparkDraftModel" and not results[0]["differ"]
     written = json.loads((out / "config.json").read_text())
     assert results[0]["compared"] == 21 and written["markov_rank"] == 16
+
+
+def test_the_speculators_library_loads_a_p_eagle_export_with_norms(speculators_python, tmp_path):  # noqa: F811
+    from test_eagle31 import p_eagle_with
+    from tiny_models import build_tiny_target
+
+    directory = build_tiny_target(tmp_path / "target", "llama", layers=4)
+    target = Target.load(str(directory), "float32")
+    drafter = p_eagle_with(target, layer_ids=(1, 2, 3), norm_before_fc=True, norm_before_residual=True)
+    save_drafter(drafter, tmp_path / "ckpt")
+    out = export(tmp_path / "ckpt", "speculators", tmp_path / "spec", dtype="float32")
+    done = subprocess.run([speculators_python, str(REPO / "tests" / "speculators_load.py"), str(out)],
+                          capture_output=True, text=True, timeout=600)
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    print("\n" + "\n".join(json.dumps({k: v for k, v in r.items() if k != "rope_at"}) for r in results))
+    assert done.returncode == 0 and len(results) == 1, (done.stdout + done.stderr)[-3000:]
+    assert results[0]["class"] == "PEagleDraftModel" and not results[0]["differ"] and not results[0]["not_loaded"]
+    assert "input_norm.weight" in load_file(str(out / "model.safetensors"))
 
 
 SERVE = """
