@@ -13,7 +13,9 @@ CUDA does:
 
 While it is active, `torch.cuda` says two devices are there (is_available, device_count, synchronize,
 the RNG state of each device): enough for the device decisions in draftsmith; no kernel runs anywhere
-but on the CPU.  `host_waits` counts each `.item()`, `.tolist()`, `bool()`, `nonzero` and boolean
+but on the CPU.  `torch.Generator("cuda:0")` gives a generator of that device (a CPU generator that says
+cuda:0), and a random draw refuses a generator of another device type than the tensor it makes, as CUDA
+does ("Expected a 'cuda' device type for generator but found 'cpu'").  `host_waits` counts each `.item()`, `.tolist()`, `bool()`, `nonzero` and boolean
 mask indexing of a tensor on a CUDA device: the points where a real host would wait on the GPU.
 
 Real CUDA refuses more than this mode does (streams, pinned memory, kernels per dtype): docs/gpu.md says
@@ -49,6 +51,25 @@ def _name(func) -> str:
 
 class CrossDeviceError(RuntimeError):
     """An op that would mix tensors of two devices, as CUDA refuses it."""
+
+
+REAL_GENERATOR = torch.Generator
+
+
+class VirtualGenerator(REAL_GENERATOR):
+    """torch.Generator(device) inside the mode: a CPU generator that says which device it is for."""
+
+    def __new__(cls, device="cpu"):
+        return super().__new__(cls, "cpu")
+
+    def __init__(self, device="cpu"):
+        super().__init__()
+        device = torch.device(device)
+        self.virtual_device = torch.device("cuda", device.index or 0) if device.type == "cuda" else CPU
+
+    @property
+    def device(self) -> torch.device:
+        return self.virtual_device
 
 
 class TwoDevices(TorchFunctionMode):
@@ -100,6 +121,7 @@ class TwoDevices(TorchFunctionMode):
         }
         for name, value in fake.items():
             self._patches.enter_context(mock.patch.object(cuda, name, value))
+        self._patches.enter_context(mock.patch.object(torch, "Generator", VirtualGenerator))
         # transformers materialises weights in worker threads, where a torch function mode is not active
         self._patches.enter_context(mock.patch.dict(os.environ, {"HF_DEACTIVATE_ASYNC_LOAD": "1"}))
         self.rng_states = states
@@ -139,6 +161,13 @@ class TwoDevices(TorchFunctionMode):
             kwargs["device"] = CPU
         if name in MOVES:
             return self._move(name, args, kwargs, target)
+        generator = kwargs.get("generator")
+        if generator is not None:
+            drawn_on = target or next((d for d in map(self.device_of, tensors) if d.type != "cpu"), CPU)
+            made_for = getattr(generator, "virtual_device", CPU)
+            if made_for.type != drawn_on.type:
+                raise CrossDeviceError(f"{name}: Expected a '{drawn_on.type}' device type for generator but found "
+                                       f"'{made_for.type}' (CUDA refuses a generator of another device)")
         if name not in CROSS_DEVICE_OK and not name.endswith(".__set__"):
             self._check(name, args, tensors)
         if name == "__getitem__" and len(args) > 1 and self.device_of(args[0]).type == "cuda":

@@ -106,6 +106,47 @@ def test_speculative_decoding_over_a_spread_target_gives_the_single_device_token
             assert speculative.accepted == expected.accepted
 
 
+def test_random_draws_on_a_gpu_take_that_gpus_generator(spread):
+    """A CUDA generator in the tier: a draw on cuda:0 refuses a CPU generator (as CUDA does) and takes
+    torch.Generator("cuda:0").  Sampled speculative decoding over the spread target, seeded by a generator of
+    the target's device, gives the tokens of the same seed on the CPU; DFlash's and DSpark's held-out
+    validation draws its fixed anchors from a generator of the batch's device.  Before the stand-in
+    torch.Generator("cuda:0") raised on this machine, so none of these paths could run here."""
+    mode, target, single = spread
+    with mode:
+        with pytest.raises(CrossDeviceError, match="Expected a 'cuda' device type for generator but found 'cpu'"):
+            torch.rand(3, device="cuda:0", generator=torch.Generator().manual_seed(0))
+        assert torch.rand(3, device="cuda:0", generator=torch.Generator("cuda:0").manual_seed(0)).device.type == "cuda"
+    for kind, settings, proposal in (("eagle3", {"layer_ids": [1, 2, 3], "draft_vocab_size": 40}, {"chain": 3}),
+                                     ("dspark", {"layer_ids": [1, 2], "draft_vocab_size": 40, "markov_rank": 8,
+                                                 "block_size": 4}, {"chain": 4})):
+        cls = registry()[kind]
+        torch.manual_seed(0)
+        reference = cls(cls.config_class(**settings), single).eval()
+        reference.set_proposal(**proposal)
+        expected = decode(single, [5, 6, 7, 8], 12, drafter=reference, temperature=1.0,
+                          generator=torch.Generator().manual_seed(3)).tokens
+        with mode:
+            drafter = cls(cls.config_class(**settings), target).eval()
+            drafter.load_state_dict(reference.state_dict())
+            drafter.to(target.device).set_proposal(**proposal)
+            got = decode(target, [5, 6, 7, 8], 12, drafter=drafter, temperature=1.0,
+                         generator=torch.Generator(device=target.device).manual_seed(3)).tokens
+        assert got == expected, kind
+    with mode:
+        for kind in ("dflash", "dspark"):
+            cls = registry()[kind]
+            drafter = cls(cls.config_class(layer_ids=[1, 2], draft_vocab_size=40, num_layers=1), target)
+            drafter = drafter.to(target.device).eval()
+            ids = torch.randint(3, target.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+            ids = ids.to("cuda:0")
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+            batch["features"] = target.features(ids, batch["attention_mask"], drafter.required_layers)
+            first, again = drafter.sample_anchors(batch)[0], drafter.sample_anchors(batch)[0]
+            assert first.device.type == "cuda" and torch.equal(first, again)
+            assert torch.isfinite(drafter.loss(batch).loss)
+
+
 def test_data_generation_over_a_spread_target_keeps_rows_and_features(spread):
     """Batched generation (rows leaving the batch, the stream refilling them) with captured features: the
     same tokens and features as on one device."""
