@@ -40,13 +40,12 @@ from torch import nn
 from draftsmith.heads.contract import DrafterBase
 from draftsmith.heads.decoding.dynamic_tree import TreeSettings
 from draftsmith.heads.decoding.parallel import clamp_depth, parallel_tree, resolve_mask_token
-from draftsmith.heads.draft_vocab import add_draft_vocabulary, d2t_offsets, set_draft_map, t2d_mask
+from draftsmith.heads.draft_vocab import add_draft_vocabulary, set_draft_map
 from draftsmith.heads.drafter import DraftContext, StepOutput, divide, term_denominators
-from draftsmith.heads.eagle3_layout import target_architecture, verifier_path
+from draftsmith.heads.dflash_export import serve_command, write_speculators, write_vllm
 from draftsmith.heads.dflash_layer import BlockLayer, dflash_layout
 from draftsmith.heads.eagle_layer import RMSNorm, Rotary, layer_shape_from_target
-from draftsmith.heads.formats import (VOCABULARY, ExportFormat, ImportFormatError, cast, dtype_name, fill, rope_fields,
-                                      output_convention, readme, renamed)
+from draftsmith.heads.formats import ExportFormat, ImportFormatError, fill
 from draftsmith.heads.registry import register
 from draftsmith.heads.runtime.target import Target
 from draftsmith.heads.soft_loss import LOSSES, acceptance_loss
@@ -370,74 +369,7 @@ class DFlash(DrafterBase):
         return parallel_tree(logprobs, self.tree, self.draft_to_target)
 
 
-# -- serving formats: vLLM's DFlashDraftModel (Qwen3 layers) and speculators' `dflash` ---------------------
-
-def qwen3_fields(config: dict, dtype) -> dict:
-    """The draft layers' Qwen3 config fields."""
-    shape, info = config["architecture"], config["target"]
-    return {"model_type": "qwen3", "hidden_size": shape["hidden_size"], "intermediate_size": shape["intermediate_size"],
-            "num_attention_heads": shape["num_heads"], "num_key_value_heads": shape["num_kv_heads"],
-            "head_dim": shape["head_dim"], "num_hidden_layers": config["drafter"]["num_layers"],
-            "rms_norm_eps": shape["rms_norm_eps"], "hidden_act": "silu", "vocab_size": info["vocab_size"],
-            "draft_vocab_size": shape["draft_vocab_size"], "target_hidden_size": info["hidden_size"],
-            "max_position_embeddings": shape["max_position_embeddings"],
-            **rope_fields(shape["rope_parameters"]), "tie_word_embeddings": False, "attention_bias": False,
-            "use_sliding_window": False, "torch_dtype": dtype_name(dtype), "block_size": config["drafter"]["block_size"],
-            "bos_token_id": shape.get("bos_token_id"), "eos_token_id": shape.get("eos_token_id")}
-
-
-def export_tensors(config, weights, dtype, fmt) -> dict:
-    out = renamed(config, weights, fmt)
-    draft = weights[VOCABULARY].long()
-    if draft.numel() != config["target"]["vocab_size"]:     # vLLM loads d2t only for a smaller draft vocabulary
-        out["d2t"] = d2t_offsets(draft)
-        # speculators slices the verifier's lm_head by t2d (vLLM skips it), as in EAGLE-3's layout
-        out["t2d"] = t2d_mask(draft, config["target"]["vocab_size"])
-    return cast(out, dtype)
-
-
-def _write_vllm(config, weights, target, dtype, checkpoint):
-    ids = output_convention(config["target_layer_ids"], "vLLM's DFlash")
-    mask = config["architecture"]["mask_token_id"]
-    cfg = {"architectures": ["DFlashDraftModel"], **qwen3_fields(config, dtype),
-           "dflash_config": {"mask_token_id": mask, "target_layer_ids": ids, "causal": False}}
-    notes = (f"DFlash: a block of {config['drafter']['block_size']} (the target's next token and "
-             f"{config['drafter']['block_size'] - 1} masks, mask token {mask}), non-causal inside the block, its "
-             f"keys and values from target layers {ids} (vLLM's dflash_config names a layer by its output: "
-             f"draftsmith's hidden_states ids {config['target_layer_ids']} minus one). The embedding is the "
-             "target's. Serve it with num_speculative_tokens = block_size - 1, the block it was trained on.")
-    return ({"model.safetensors": export_tensors(config, weights, dtype, "vllm")},
-            {"config.json": cfg, "README.md": readme(config, checkpoint, "DFlash drafter for vLLM",
-                                                       _serve(config, "vllm"), notes)})
-
-
-def _write_speculators(config, weights, target, dtype, checkpoint):
-    K = config["drafter"]["block_size"] - 1
-    layer = qwen3_fields(config, dtype)
-    cfg = {"architectures": ["DFlashDraftModel"], "speculators_model_type": "dflash", "speculators_version": "0.2.0",
-           "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
-                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": K}],
-                                  "verifier": {"name_or_path": verifier_path(config),
-                                               "architectures": [target_architecture(config)]}},
-           "transformer_layer_config": layer, "draft_vocab_size": layer["draft_vocab_size"],
-           "target_hidden_size": layer["target_hidden_size"], "block_size": config["drafter"]["block_size"],
-           "aux_hidden_state_layer_ids": list(config["target_layer_ids"]),
-           "mask_token_id": config["architecture"]["mask_token_id"], "sliding_window_non_causal": True,
-           "torch_dtype": layer["torch_dtype"]}
-    notes = ("speculators names the fused layers by a decoder layer's input (aux_hidden_state_layer_ids, "
-             "draftsmith's convention); vLLM subtracts one for its dflash_config.")
-    return ({"model.safetensors": export_tensors(config, weights, dtype, "speculators")},
-            {"config.json": cfg, "README.md": readme(config, checkpoint, "DFlash drafter (speculators format)",
-                                                       _serve(config, "speculators"), notes)})
-
-
-def _serve(config: dict, fmt: str) -> str:
-    K = config["drafter"]["block_size"] - 1
-    if fmt == "vllm":
-        return (f"""vllm serve TARGET_DIR --speculative-config '{{"method": "dflash", "model": "THIS_DIR", """
-                f""""num_speculative_tokens": {K}}}'""")
-    return "vllm serve THIS_DIR   # vLLM reads the verifier and the speculative settings from this config"
-
+# -- reading the serving formats back (heads/dflash_export.py writes them) -------------------------------------
 
 def reader(fmt: str):
     def read(config, weights, target, confirmed=False):
@@ -487,8 +419,8 @@ def _recognizes(config: dict) -> bool:
 
 
 DFlash.formats = (
-    ExportFormat("vllm", _write_vllm, lambda c: _serve(c, "vllm"), read=reader("vllm"), recognizes=_recognizes,
+    ExportFormat("vllm", write_vllm, lambda c: serve_command(c, "vllm"), read=reader("vllm"), recognizes=_recognizes,
                  method="dflash", parallel_drafting=False),
-    ExportFormat("speculators", _write_speculators, lambda c: _serve(c, "speculators"), read=reader("speculators"),
+    ExportFormat("speculators", write_speculators, lambda c: serve_command(c, "speculators"), read=reader("speculators"),
                  recognizes=_recognizes),
 )

@@ -44,7 +44,8 @@ from torch import nn
 
 from draftsmith.heads.decoding.dynamic_tree import TreeSettings
 from draftsmith.heads.decoding.tree import DraftTree
-from draftsmith.heads.dflash import DFlash, DFlashConfig, export_tensors, qwen3_fields
+from draftsmith.heads.dflash import DFlash, DFlashConfig
+from draftsmith.heads.dflash_export import export_tensors, qwen3_fields
 from draftsmith.heads.dflash import reader as dflash_reader
 from draftsmith.heads.dflash_layer import dflash_layout
 from draftsmith.heads.drafter import DraftContext, StepOutput, divide
