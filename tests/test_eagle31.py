@@ -250,3 +250,18 @@ def test_a_whole_vocabulary_drafter_exports_without_a_map_and_imports_back(tiny_
         assert not {"d2t", "t2d"} & set(load_file(out / "model.safetensors")), fmt
         back = import_drafter(out, fmt, tiny_target)
         assert torch.equal(back.draft_to_target, drafter.draft_to_target), fmt
+
+
+def test_p_eagle_warm_starts_from_an_eagle31_checkpoint_with_its_feature_norms(tiny_target, tmp_path):
+    """The shipped EAGLE-3 recipe trains speculators' three norms: a P-EAGLE with norm_before_fc and
+    norm_before_residual starts from that checkpoint (norm_output has no tensor); one without them is
+    refused naming the norm's tensor."""
+    from draftsmith.heads.drafter import warm_start
+
+    source = drafter_with(tiny_target, **SPECULATORS_DEFAULTS)
+    save_drafter(source, tmp_path / "eagle31")
+    fitted = p_eagle_with(tiny_target, norm_before_fc=True, norm_before_residual=True)
+    warm_start(fitted, tmp_path / "eagle31")
+    assert torch.equal(fitted.input_norm.weight, source.input_norm.weight)
+    with pytest.raises(ValueError, match="input_norm.weight"):
+        warm_start(p_eagle_with(tiny_target), tmp_path / "eagle31")
