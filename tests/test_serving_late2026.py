@@ -1,8 +1,9 @@
 """The drafters of late 2026 in the serving stacks: the speculators library loads a DSpark export and a P-EAGLE
-export with EAGLE-3.1's norms tensor by tensor; vLLM 0.32 reads a DSpark export's
-its config and, on this CPU, says why it cannot serve it (its DSpark runs in Model Runner V2 only, which needs
-Triton: a GPU).  Once a vLLM that serves DSpark here is installed, the second test compares vLLM's text with
-draftsmith's, and fails on anything but that one refusal."""
+export with EAGLE-3.1's norms tensor by tensor; vLLM 0.32 reads a DSpark export's config and, on this CPU,
+says why it cannot serve it (its DSpark runs in Model Runner V2 only, which needs Triton: a GPU).  Once a
+vLLM that serves DSpark here is installed, the last test compares vLLM's text with draftsmith's, and fails
+on anything but that one refusal.  All three are in `make test-heavy` (CI runs it after `make test`): each
+starts the speculators or vLLM environment, which the default run's time budget cannot spare."""
 import json
 import subprocess
 
@@ -35,6 +36,7 @@ def dspark_export(tmp_path, fmt: str):
     return directory, target, drafter, export(tmp_path / "ckpt", fmt, tmp_path / fmt, dtype="float32")
 
 
+@pytest.mark.heavy
 def test_the_speculators_library_loads_a_dspark_export_tensor_by_tensor(speculators_python, tmp_path):  # noqa: F811
     *_, out = dspark_export(tmp_path, "speculators")
     done = subprocess.run([speculators_python, str(REPO / "tests" / "speculators_load.py"), str(out)],
@@ -47,6 +49,7 @@ def test_the_speculators_library_loads_a_dspark_export_tensor_by_tensor(speculat
     assert results[0]["compared"] == 21 and written["markov_rank"] == 16
 
 
+@pytest.mark.heavy
 def test_the_speculators_library_loads_a_p_eagle_export_with_norms(speculators_python, tmp_path):  # noqa: F811
     from test_eagle31 import p_eagle_with
     from tiny_models import build_tiny_target
