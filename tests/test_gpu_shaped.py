@@ -500,3 +500,30 @@ def test_a_drafters_loss_waits_on_the_device_as_often_as_docs_scale_says(tmp_pat
         "K", str(getattr(drafter, "K", 0))).replace(
         "train_steps", str(getattr(drafter.config, "train_steps", 0)))
     assert len(waits) == sum(int(term) for term in expected.split("+")), (kind, waits, documented[kind])
+
+
+def test_muon_orthogonalises_in_bf16_on_a_gpu_and_in_fp32_on_a_cpu():
+    """Muon's device branch (train/optimizers.py): a step of a parameter on a virtual cuda:0 equals the same
+    step with the Newton-Schulz iterations in bf16, and stays an fp32 parameter on cuda:0; on the CPU the
+    iterations run in fp32 (torch.optim.Muon's bf16 is ~90x slower on a CPU without bf16 arithmetic)."""
+    from draftsmith.train.optimizers import MUON, Muon, orthogonalize
+
+    torch.manual_seed(0)
+    start, grad = torch.randn(16, 8), torch.randn(16, 8)
+    expected = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        update = orthogonalize(grad * (1 - MUON["momentum"]) * MUON["momentum"] + grad * (1 - MUON["momentum"]),
+                               MUON["ns_steps"], dtype)
+        expected[dtype] = start * (1 - 0.01 * MUON["weight_decay"]) - 0.01 * 0.2 * 16 ** 0.5 * update
+    cpu = torch.nn.Parameter(start.clone())
+    cpu.grad = grad.clone()
+    Muon([cpu], lr=0.01, **MUON).step()
+    torch.testing.assert_close(cpu.detach(), expected[torch.float32])
+    with TwoDevices():
+        gpu = torch.nn.Parameter(start.clone().to("cuda:0"))
+        gpu.grad = grad.clone().to("cuda:0")
+        Muon([gpu], lr=0.01, **MUON).step()
+        assert gpu.device == torch.device("cuda:0") and gpu.dtype == torch.float32
+        got = gpu.detach().cpu()
+    torch.testing.assert_close(got, expected[torch.bfloat16])
+    assert not torch.allclose(expected[torch.bfloat16], expected[torch.float32], rtol=0, atol=1e-6)

@@ -302,3 +302,26 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tiny_target):
     from draftsmith.train.settings import RecipeError
     with pytest.raises(RecipeError, match="train.optimizer must be adamw or muon, got 'sgd'"):
         TrainSettings(optimizer="sgd")
+
+
+def test_draftsmiths_muon_steps_as_torchs_reference_and_orthogonalises():
+    """One Muon step here equals torch.optim.Muon's (momentum, Nesterov, the update scaled to AdamW's RMS,
+    decoupled weight decay) within torch's bf16 Newton-Schulz rounding, on two small matrices; the
+    orthogonalised update of a random matrix has singular values near 1."""
+    from draftsmith.train.optimizers import MUON, Muon, orthogonalize
+
+    torch.manual_seed(0)
+    mine = [torch.nn.Parameter(torch.randn(8, 24)), torch.nn.Parameter(torch.randn(20, 6))]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in mine]
+    ours = Muon(mine, lr=0.02, **MUON)
+    reference = torch.optim.Muon(theirs, lr=0.02, adjust_lr_fn="match_rms_adamw", **MUON)
+    for step in range(3):
+        grads = [torch.randn_like(p) for p in mine]
+        for p, q, g in zip(mine, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        reference.step()
+        for p, q in zip(mine, theirs):
+            torch.testing.assert_close(p, q, rtol=0, atol=0.02 * 0.02 * 0.2 * 24 ** 0.5)
+    singular = torch.linalg.svdvals(orthogonalize(torch.randn(64, 32), 5))
+    assert singular.min() > 0.5 and singular.max() < 1.3
