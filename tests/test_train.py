@@ -302,6 +302,11 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tiny_target):
     from draftsmith.train.settings import RecipeError
     with pytest.raises(RecipeError, match="train.optimizer must be adamw or muon, got 'sgd'"):
         TrainSettings(optimizer="sgd")
+    tenfold = build_optimizer(drafter, TrainSettings(optimizer="muon", lr=1e-2, muon_lr=0.1))
+    assert {g["lr"] for g in tenfold.parts[0].param_groups} == {0.1}
+    assert {g["lr"] for g in tenfold.parts[1].param_groups} == {1e-2}
+    with pytest.raises(RecipeError, match="train.muon_lr must be > 0"):
+        TrainSettings(muon_lr=0)
 
 
 def test_draftsmiths_muon_steps_as_torchs_reference_and_orthogonalises():

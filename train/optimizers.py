@@ -5,8 +5,9 @@ speculators trains EAGLE-3 with in 2026.
 Muon orthogonalises each 2-D weight's momentum update by Newton-Schulz iterations (`Muon` below).  It
 takes the matrices with both sides above 1 whose name is not a vocabulary's: the embedding, the heads over
 the vocabulary (`lm_head`) and DSpark's Markov factors stay with AdamW, as do norms, biases and P-EAGLE's
-mask state.  Its settings are speculators' defaults: the group's learning rate with the update scaled to
-AdamW's RMS (adjust_lr_fn "match_rms_adamw"), momentum 0.95, weight decay 0.1, 5 Newton-Schulz steps.
+mask state.  Its settings are speculators' defaults: `train.muon_lr` (null: train.lr, speculators 0.9.0's
+rule) with the update scaled to AdamW's RMS (adjust_lr_fn "match_rms_adamw"), momentum 0.95, weight decay
+0.1, 5 Newton-Schulz steps.
 
 draftsmith runs the iterations itself rather than through torch.optim.Muon, which runs them in bfloat16
 everywhere: right on a GPU, and about 90x slower than float32 on a CPU without bf16 arithmetic (a 1536 x 576
@@ -119,17 +120,18 @@ def build_optimizer(drafter, settings) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
     names = {id(p): n for n, p in drafter.named_parameters()}
     muon_groups, adamw_groups = [], []
+    ratio = (settings.muon_lr or settings.lr) / settings.lr        # a group's own lr scaled alike (Medusa-2's)
     for group in groups:
         muon, adamw = muon_split([(names[id(p)], p) for p in group["params"]])
         rest = {k: v for k, v in group.items() if k != "params"}
         if muon:
-            muon_groups.append({**rest, "params": muon})
+            muon_groups.append({**rest, "params": muon, **({"lr": rest["lr"] * ratio} if "lr" in rest else {})})
         if adamw:
             adamw_groups.append({**rest, "params": adamw})
     if not muon_groups:
         raise ValueError(f"train.optimizer muon: this {drafter.kind} drafter has no matrix Muon would train (it "
                          "orthogonalises hidden 2-D weights only); use train.optimizer adamw")
-    parts = [Muon(muon_groups, lr=settings.lr, **MUON)]
+    parts = [Muon(muon_groups, lr=settings.muon_lr or settings.lr, **MUON)]
     if adamw_groups:
         parts.append(torch.optim.AdamW(adamw_groups, lr=settings.lr, betas=settings.betas,
                                        weight_decay=settings.weight_decay))

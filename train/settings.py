@@ -113,7 +113,10 @@ class TrainSettings:
     """adamw, or muon: Muon on the drafter's hidden matrices and AdamW on the rest (train/optimizers.py;
     DDP or one process: FSDP and DeepSpeed keep AdamW)."""
     lr: float = 1e-3
-    """Peak learning rate (both optimizers' with muon)."""
+    """Peak learning rate (AdamW's; Muon's too unless muon_lr is given)."""
+    muon_lr: float | None = None
+    """Muon's peak learning rate with train.optimizer muon (null: train.lr, speculators 0.9.0's rule; its
+    later trainer uses 10 x lr)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     weight_decay: float = 0.0
@@ -187,6 +190,8 @@ class TrainSettings:
             raise RecipeError(f"train.max_steps must be >= 1, or null to let train.epochs decide; got {self.max_steps}")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise RecipeError(f"train.max_minutes must be > 0, or null for no cap; got {self.max_minutes}")
+        if self.muon_lr is not None and not self.muon_lr > 0:
+            raise RecipeError(f"train.muon_lr must be > 0, or null for train.lr; got {self.muon_lr}")
         for name in ("lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "eval_prompts"):
             if getattr(self, name) < 0:
                 raise RecipeError(f"train.{name} must be >= 0, got {getattr(self, name)}")
