@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from draftsmith.heads.draft_vocab import d2t_offsets, t2d_mask
-from draftsmith.heads.eagle3_layout import target_architecture, verifier_path
+from draftsmith.heads.eagle3_layout import speculators_config
 from draftsmith.heads.formats import VOCABULARY, cast, dtype_name, output_convention, readme, renamed, rope_fields
 
 
@@ -50,10 +50,7 @@ def write_speculators(config, weights, target, dtype, checkpoint):
     K = config["drafter"]["block_size"] - 1
     layer = qwen3_fields(config, dtype)
     cfg = {"architectures": ["DFlashDraftModel"], "speculators_model_type": "dflash", "speculators_version": "0.2.0",
-           "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
-                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": K}],
-                                  "verifier": {"name_or_path": verifier_path(config),
-                                               "architectures": [target_architecture(config)]}},
+           "speculators_config": speculators_config(config, "dflash", K),
            "transformer_layer_config": layer, "draft_vocab_size": layer["draft_vocab_size"],
            "target_hidden_size": layer["target_hidden_size"], "block_size": config["drafter"]["block_size"],
            "aux_hidden_state_layer_ids": list(config["target_layer_ids"]),

@@ -49,7 +49,7 @@ from draftsmith.heads.dflash_export import export_tensors, qwen3_fields
 from draftsmith.heads.dflash import reader as dflash_reader
 from draftsmith.heads.dflash_layer import dflash_layout
 from draftsmith.heads.drafter import DraftContext, StepOutput, divide
-from draftsmith.heads.eagle3_layout import target_architecture, verifier_path
+from draftsmith.heads.eagle3_layout import speculators_config
 from draftsmith.heads.formats import ExportFormat, ImportFormatError, output_convention, readme
 from draftsmith.heads.registry import register
 
@@ -293,10 +293,7 @@ def _write_speculators(config, weights, target, dtype, checkpoint):
     K = served_k(config)
     layer = qwen3_fields(config, dtype)
     cfg = {"architectures": ["DSparkDraftModel"], "speculators_model_type": "dspark", "speculators_version": "0.9.0",
-           "speculators_config": {"algorithm": "dspark", "default_proposal_method": "greedy",
-                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": K}],
-                                  "verifier": {"name_or_path": verifier_path(config),
-                                               "architectures": [target_architecture(config)]}},
+           "speculators_config": speculators_config(config, "dspark", K),
            "transformer_layer_config": layer, "draft_vocab_size": layer["draft_vocab_size"],
            "target_hidden_size": layer["target_hidden_size"], **_dspark_fields(config),
            "aux_hidden_state_layer_ids": list(config["target_layer_ids"]),

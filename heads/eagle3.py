@@ -31,7 +31,7 @@ from draftsmith.heads.drafter import DraftContext, StepOutput, divide, term_deno
 from draftsmith.heads.eagle3_layout import (CARRIED, NORM_OPTIONS, convention_ids, default_layer_ids, feature_norms,
                                             is_parallel, layout_tensors, llama_eagle3_config, llama_fields, norm_flags,
                                             read_norm_flags, recognizes, refuse_unknown_flags, speculators_layer_ids,
-                                            target_architecture, verifier_path)
+                                            speculators_config)
 from draftsmith.heads.eagle_decoding import EagleDecoding
 from draftsmith.heads.eagle_layer import DraftLayer, RMSNorm, Rotary, layer_layout, layer_shape_from_target
 from draftsmith.heads.formats import ExportError, ExportFormat, ImportFormatError, fill, output_convention, readme
@@ -311,10 +311,7 @@ def _write_speculators(config, weights, target, dtype, checkpoint):
     depth = config["drafter"]["tree"]["depth"]
     layer = llama_fields(config, dtype)
     cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.2.0",
-           "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
-                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": depth}],
-                                  "verifier": {"name_or_path": verifier_path(config),
-                                               "architectures": [target_architecture(config)]}},
+           "speculators_config": speculators_config(config, "eagle3", depth),
            "transformer_layer_config": layer, "draft_vocab_size": layer["draft_vocab_size"],
            "target_hidden_size": layer["target_hidden_size"], **norm_flags(config),
            "eagle_aux_hidden_state_layer_ids": ids, "torch_dtype": layer["torch_dtype"]}

@@ -75,6 +75,13 @@ def speculators_layer_ids(config) -> tuple[list[int], str]:
     return ids, note
 
 
+def speculators_config(config: dict, algorithm: str, tokens: int) -> dict:
+    """speculators' `speculators_config`: the algorithm, a greedy proposal of `tokens`, and the verifier."""
+    return {"algorithm": algorithm, "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens}],
+            "verifier": {"name_or_path": verifier_path(config), "architectures": [target_architecture(config)]}}
+
+
 def verifier_path(config) -> str:
     """A path vLLM can load the target from (the converted directory for an embedded or GGUF target)."""
     try:

@@ -41,7 +41,7 @@ from draftsmith.heads.eagle3_layout import norm_flags, read_norm_flags
 from draftsmith.heads.eagle3_layout import is_parallel
 from draftsmith.heads.eagle3_layout import layout_tensors as eagle3_tensors
 from draftsmith.heads.eagle3_layout import (llama_eagle3_config, llama_fields, recognizes, speculators_layer_ids,
-                                            target_architecture, verifier_path)
+                                            speculators_config)
 from draftsmith.heads.formats import ExportError, ExportFormat, ImportFormatError, readme
 from draftsmith.heads.registry import register
 from draftsmith.heads.runtime.target import Target
@@ -185,10 +185,7 @@ def _write_speculators(config, weights, target, dtype, checkpoint):
     layer = llama_fields(config, dtype)
     K = config["drafter"]["ttt_steps"]
     cfg = {"architectures": ["PEagleDraftModel"], "speculators_model_type": "peagle", "speculators_version": "0.2.0",
-           "speculators_config": {"algorithm": "peagle", "default_proposal_method": "greedy",
-                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": K}],
-                                  "verifier": {"name_or_path": verifier_path(config),
-                                               "architectures": [target_architecture(config)]}},
+           "speculators_config": speculators_config(config, "peagle", K),
            "transformer_layer_config": layer, "draft_vocab_size": layer["draft_vocab_size"],
            "target_hidden_size": layer["target_hidden_size"], **norm_flags(config),
            "eagle_aux_hidden_state_layer_ids": ids,
