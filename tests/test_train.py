@@ -330,3 +330,15 @@ def test_draftsmiths_muon_steps_as_torchs_reference_and_orthogonalises():
             torch.testing.assert_close(p, q, rtol=0, atol=0.02 * 0.02 * 0.2 * 24 ** 0.5)
     singular = torch.linalg.svdvals(orthogonalize(torch.randn(64, 32), 5))
     assert singular.min() > 0.5 and singular.max() < 1.3
+
+
+def test_muon_under_a_sharded_launch_is_refused_by_name(tiny_target_dir, tmp_path, monkeypatch):
+    """FSDP and DeepSpeed save AdamW's state only: a launch that shards the drafter refuses train.optimizer muon
+    before any step, naming the launch and the two ways out."""
+    from draftsmith.train import loop
+    from draftsmith.train.settings import RecipeError
+
+    monkeypatch.setattr(loop, "sharding_of", lambda accelerator: "fsdp")
+    with pytest.raises(RecipeError, match="shards the drafter with fsdp.*ddp.yaml, or set train.optimizer adamw"):
+        fit(recipe_from_dict(tiny_recipe(tmp_path, tiny_target_dir, optimizer="muon")), progress=False)
+    assert not (tmp_path / "run" / "checkpoint").exists()
