@@ -7,10 +7,15 @@ Every candidate is priced with the one speedup model draftsmith has (eval/predic
 
 from two measurements made here: the machine's cost curve T(n), a target forward over n new tokens (measured
 interleaved, made nondecreasing), and, for each candidate, a short calibration decode on the run's own prompts
-that gives its tokens per step, the tokens it puts in each verification (n), and D, what one proposal costs.
+that gives its tokens per step, the tokens it put in each verification, and D, what one proposal costs.  The
+verification's cost is T(n) averaged over the steps the calibration made, not T at their mean n: a context
+lookup proposes a varying number of tokens (none where the context has no match), and on a CPU T(n) is flat
+for small n and steep after, so the mean of T is what the steps cost.
 The candidates: chains of 1 to the drafter's depth (longer ones while they commit more a step), the
-drafter's own tuned tree, each with the context lookup off and on, and plain decoding (S = 1).  The best predicted S wins; when none beats
-plain decoding, the decision is "off".
+drafter's own tuned tree, each with the context lookup off and at `eval.lookup`; then, with the shape of the
+best candidate that had the lookup, the lookup at each halving of `eval.lookup` down to 1 (fewer tokens keep a
+verification in the flat part of the curve); and plain decoding (S = 1).  The best predicted S wins; when none
+beats plain decoding, the decision is "off".
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +40,8 @@ log = logging.getLogger(__name__)
 CALIBRATION_PROMPTS = 2
 CALIBRATION_TOKENS = 32          # per prompt and candidate
 MIN_STEPS = 8                    # fewer verification steps measure no acceptance
+CURVE_REPEATS = 15               # interleaved rounds of T(n): on a shared 2-core VM, 5 rounds put T(2)/T(1)
+                                 # anywhere in 0.95-1.25 (one run priced every proposal below 1 so); 15: 1.03-1.11
 
 
 @dataclass
@@ -42,9 +50,11 @@ class Candidate:
     settings: dict                       # proposal, chain_length, tree_size, lookup (EvalSettings fields)
     description: str = ""
     tokens_per_step: float = 1.0         # tokens each verification step commits (tau)
-    verified_tokens: float = 1.0         # tokens each verification step feeds the target (root included)
+    verified_tokens: float = 1.0         # tokens each verification step feeds the target (root included), mean
     draft_ms: float = 0.0                # one proposal
     predicted_speedup: float = 1.0       # S, against plain decoding on this machine
+    verified_sizes: dict[int, int] = field(default_factory=dict)   # n -> calibration steps that verified n tokens
+    verify_ms: float = 0.0               # T(n) averaged over those steps (price)
 
     @property
     def plain(self) -> bool:
@@ -67,7 +77,8 @@ class Decision:
         return {"on": self.on, "forced": self.forced, "chosen": self.chosen.description, "calibration": self.calibration,
                 "seconds": round(self.seconds, 1), "forward_ms": {n: round(ms, 2) for n, ms in self.forward_ms.items()},
                 "candidates": [{"proposal": c.description, "tokens_per_step": round(c.tokens_per_step, 3),
-                                "verified_tokens": round(c.verified_tokens, 2), "draft_ms": round(c.draft_ms, 2),
+                                "verified_tokens": round(c.verified_tokens, 2), "verify_ms": round(c.verify_ms, 2),
+                                "draft_ms": round(c.draft_ms, 2),
                                 "predicted_speedup": round(c.predicted_speedup, 3)} for c in self.candidates],
                 "notes": self.notes}
 
@@ -91,7 +102,7 @@ def candidate_settings(drafter, target: Target, options: EvalSettings) -> list[d
 
 def plain_candidate() -> Candidate:
     """Plain decoding as a candidate: one token a step, nothing proposed, S = 1."""
-    return Candidate({}, "plain decoding", 1.0, 1.0, 0.0, 1.0)
+    return Candidate({}, "plain decoding", 1.0, 1.0, 0.0, 1.0, {1: 1})
 
 
 class _Recorder:
@@ -142,16 +153,25 @@ def calibrate(proposer, target: Target, options: EvalSettings, prompts: list, to
                          f"to measure acceptance (at least {MIN_STEPS}), and no held-out rate prices it: counted as "
                          "one token a step")
         verified = max(verified, 1 + (settings.get("chain_length") or 1))
+        histogram = {math.ceil(verified): 1}
+    else:
+        histogram = dict(Counter(1 + size for size in sizes))
     draft = measure_proposal(target, proposer, prompts[0][1])
-    return Candidate(settings, description, per_step, verified, draft * 1000)
+    return Candidate(settings, description, per_step, verified, draft * 1000, verified_sizes=histogram)
 
 
-def price(candidates: list[Candidate], target: Target) -> dict[int, float]:
-    """Each candidate's predicted speedup from this machine's cost curve; returns the curve (seconds)."""
-    curve = nondecreasing(block_cost(target, sorted({1} | {math.ceil(c.verified_tokens) for c in candidates})))
+def price(candidates: list[Candidate], target: Target, curve: dict[int, float] | None = None) -> dict[int, float]:
+    """Each candidate's predicted speedup from this machine's cost curve: its verification costs T(n) averaged
+    over its calibration steps.  Returns the curve (seconds), measured for the sizes `curve` lacks (all of
+    them, made nondecreasing together, when a size is new)."""
+    sizes = {1} | {n for c in candidates for n in c.verified_sizes}
+    if curve is None or not sizes <= set(curve):
+        curve = nondecreasing(block_cost(target, sorted(sizes | set(curve or {})), repeats=CURVE_REPEATS))
     for c in candidates:
-        c.predicted_speedup = speedup(c.tokens_per_step, curve[1], curve[math.ceil(c.verified_tokens)],
-                                      c.draft_ms / 1000)
+        steps = sum(c.verified_sizes.values())
+        verify = sum(curve[n] * count for n, count in c.verified_sizes.items()) / steps
+        c.verify_ms = verify * 1000
+        c.predicted_speedup = speedup(c.tokens_per_step, curve[1], verify, c.draft_ms / 1000)
     return curve
 
 
@@ -178,6 +198,14 @@ def decide(drafter, target: Target, options: EvalSettings, prompts: list[tuple[s
         if chain and (shorter is None or candidate.tokens_per_step > shorter.tokens_per_step):
             longest[lookup] = candidate                  # longer chains are tried while they commit more a step
     curve = price(measured, target)
+    with_lookup = [c for c in measured if c.settings["lookup"]]
+    if with_lookup:                                      # fewer lookup tokens, with the best such shape
+        shape = max(with_lookup, key=lambda c: c.predicted_speedup).settings
+        for lookup in halvings(shape["lookup"]):
+            settings = {**shape, "lookup": lookup}
+            proposer = configure_proposal(drafter, target, with_settings(options, settings))
+            measured.append(calibrate(proposer, target, options, used, calibration_tokens, settings, heldout, notes))
+        curve = price(measured, target, curve)
     plain = plain_candidate()
     best = max(measured, key=lambda c: c.predicted_speedup)
     on = best.predicted_speedup > 1.0
@@ -212,6 +240,15 @@ def price_forced(proposer, target: Target, options: EvalSettings, prompts: list[
                         time.perf_counter() - started, notes)
     decision.forced = True
     return decision
+
+
+def halvings(lookup: int) -> list[int]:
+    """The lookup sizes below `lookup` the rule also tries: each half of the one before, down to 1."""
+    sizes = []
+    while lookup > 1:
+        lookup //= 2
+        sizes.append(lookup)
+    return sizes
 
 
 def with_settings(options: EvalSettings, settings: dict) -> EvalSettings:

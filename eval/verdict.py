@@ -72,12 +72,14 @@ def break_even(report, decision: dict | None) -> dict | None:
         return None
     curve = {int(n): ms for n, ms in decision["forward_ms"].items()}
     n = min((size for size in curve if size >= chosen["verified_tokens"]), default=max(curve))
-    needed = (curve[n] + chosen["draft_ms"]) / curve[1]
+    verify = chosen.get("verify_ms") or curve[n]      # T(n) averaged over the calibration's steps
+    needed = (verify + chosen["draft_ms"]) / curve[1]
     flat = speedup(report.tau, curve[1], curve[1], chosen["draft_ms"])
+    mean = chosen["verified_tokens"]
     return {"tokens_per_step_needed": needed, "tokens_per_step_measured": report.tau,
             "predicted_where_verification_is_flat": flat,
             "text": (f"Break-even: this machine's costs need {needed:.2f} tokens per step for {chosen['proposal']} "
-                     f"(a forward over {n} tokens costs {curve[n] / curve[1]:.2f}x one token, a proposal "
-                     f"{chosen['draft_ms'] / curve[1]:.2f}x); it measured {report.tau:.2f}. Where a forward over "
-                     f"{n} tokens costs what one does (a memory-bound GPU at batch 1), the same acceptance would "
-                     f"give {flat:.2f}x (a prediction, with this machine's proposal cost).")}
+                     f"(a verification of {mean:.1f} tokens on average costs {verify / curve[1]:.2f}x a one-token "
+                     f"forward, a proposal {chosen['draft_ms'] / curve[1]:.2f}x); it measured {report.tau:.2f}. "
+                     f"Where a forward over {n} tokens costs what one does (a memory-bound GPU at batch 1), the same "
+                     f"acceptance would give {flat:.2f}x (a prediction, with this machine's proposal cost).")}

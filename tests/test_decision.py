@@ -34,7 +34,8 @@ class OracleChain(OracleDrafter):
 
 def priced(monkeypatch, curve_ms, draft_ms=1.0):
     """The machine's cost curve T(n) and the proposal's cost D, as given (seconds)."""
-    monkeypatch.setattr(decision_module, "block_cost", lambda target, sizes: {n: curve_ms(n) / 1000 for n in sizes})
+    monkeypatch.setattr(decision_module, "block_cost",
+                        lambda target, sizes, **_: {n: curve_ms(n) / 1000 for n in sizes})
     monkeypatch.setattr(decision_module, "measure_proposal", lambda *a, **k: draft_ms / 1000)
 
 
@@ -129,7 +130,8 @@ def test_eval_prints_the_decision_and_a_verdict(tiny_target, tmp_path, capsys, m
     """Through the real CLI: the decision's candidates in eval.json and the report, the verdict last."""
     from draftsmith.cli import main
     medusa_checkpoint(tiny_target, tmp_path / "ckpt", num_heads=2, lm_head="own")
-    monkeypatch.setattr(decision_module, "block_cost", lambda target, sizes: {n: curve(n) / 1000 for n in sizes})
+    monkeypatch.setattr(decision_module, "block_cost",
+                        lambda target, sizes, **_: {n: curve(n) / 1000 for n in sizes})
     code = main(["eval", str(tmp_path / "ckpt"), "--prompts", "mt-bench", "--limit", "4", "--max-new-tokens", "12",
                  "--lookup", "2", "--dtype", "float32", "--exact-prompts", "1", "--json", str(tmp_path / "e.json")])
     out = capsys.readouterr().out
@@ -137,7 +139,12 @@ def test_eval_prints_the_decision_and_a_verdict(tiny_target, tmp_path, capsys, m
     report = json.loads((tmp_path / "e.json").read_text())
     proposals = [c["proposal"] for c in report["decision"]["candidates"]]
     assert proposals[0] == "plain decoding" and "chain of 1" in proposals
-    assert any("context lookup of 2" in p for p in proposals) and not any("lookup of 1" in p for p in proposals)
+    assert any("context lookup of 2" in p for p in proposals)
+    halved = [c for c in report["decision"]["candidates"] if "context lookup of 1 " in c["proposal"]]
+    assert len(halved) == 1 and not any("lookup of 0" in p for p in proposals)     # 2 halved once, to 1
+    best_with_lookup = max((c for c in report["decision"]["candidates"] if "context lookup of 2 " in c["proposal"]),
+                           key=lambda c: c["predicted_speedup"])
+    assert halved[0]["proposal"].split(" + ")[0] == best_with_lookup["proposal"].split(" + ")[0]
     assert not report["decision"]["on"] and report["verdict"]["decision"] == "off"
     assert "Break-even" in report["verdict"]["text"]
     assert out.rstrip().splitlines()[-3].startswith(f"**Verdict: {word}:") or f"**Verdict: {word}:" in out
@@ -160,7 +167,8 @@ def test_a_forced_proposal_the_rule_predicts_to_lose_is_run_and_said_to_lose(tin
                                                                              monkeypatch):
     from draftsmith.cli import main
     medusa_checkpoint(tiny_target, tmp_path / "ckpt", num_heads=2, lm_head="own")
-    monkeypatch.setattr(decision_module, "block_cost", lambda target, sizes: {n: 10.0 * n / 1000 for n in sizes})
+    monkeypatch.setattr(decision_module, "block_cost",
+                        lambda target, sizes, **_: {n: 10.0 * n / 1000 for n in sizes})
     code = main(["eval", str(tmp_path / "ckpt"), "--prompts", "mt-bench", "--limit", "4", "--max-new-tokens", "12",
                  "--chain", "2", "--dtype", "float32", "--exact-prompts", "1", "--json", str(tmp_path / "e.json")])
     assert code == 0
@@ -189,3 +197,23 @@ def test_longer_chains_are_tried_only_while_they_commit_more(tiny_target, calibr
                                         calibration_tokens=16)
     assert [c.description for c in decided.candidates[1:]] == ["chain of 1", "chain of 2"]   # chain of 3 not tried
     assert decided.candidates[2].tokens_per_step == pytest.approx(decided.candidates[1].tokens_per_step)
+
+
+def test_a_verification_is_priced_at_the_mean_of_its_steps_costs(tiny_target, monkeypatch):
+    """A lookup proposes a varying number of tokens: on a curve flat to 4 tokens and steep after, three steps
+    of 2 tokens and one of 6 cost (3 x 10 + 40) / 4 ms, not T(ceil(mean n)) = T(3) = 10 ms nor T(6)."""
+    priced(monkeypatch, lambda n: 10.0 if n <= 4 else 40.0)
+    mixed = decision_module.Candidate({"lookup": 4}, "mixed", tokens_per_step=2.0, verified_tokens=3.0, draft_ms=1.0,
+                                      verified_sizes={2: 3, 6: 1})
+    even = decision_module.Candidate({"lookup": 0}, "even", tokens_per_step=2.0, verified_tokens=3.0, draft_ms=1.0,
+                                     verified_sizes={3: 4})
+    curve = decision_module.price([mixed, even], tiny_target)
+    assert sorted(curve) == [1, 2, 3, 6]
+    assert mixed.verify_ms == pytest.approx(17.5) and even.verify_ms == pytest.approx(10.0)
+    assert mixed.predicted_speedup == pytest.approx(2.0 * 10.0 / (17.5 + 1.0))
+    assert even.predicted_speedup == pytest.approx(2.0 * 10.0 / (10.0 + 1.0))
+
+
+def test_lookup_sizes_halve_down_to_one():
+    assert decision_module.halvings(4) == [2, 1] and decision_module.halvings(10) == [5, 2, 1]
+    assert decision_module.halvings(1) == []
