@@ -104,6 +104,25 @@ def test_float16_on_a_cpu_packs_weights_for_small_blocks_only(tiny_target_dir):
     assert (small - reference).abs().max() <= 2e-2 * reference.abs().max()     # ... close to fp32
 
 
+def test_a_packed_linear_warns_nothing_and_keeps_dtype_and_shape():
+    """The deprecation warning PyTorch gives once per process is spent when a PackedLinear is built, so
+    forward runs without a catch_warnings per call; activations that are not fp32, or not contiguous, are
+    converted in and back out."""
+    import warnings
+    from draftsmith.heads.runtime.cpu_linear import PackedLinear, fbgemm_fp16_available
+    if not fbgemm_fp16_available():
+        pytest.skip("no FBGEMM fp16 GEMM in this PyTorch build")
+    linear = torch.nn.Linear(16, 24)
+    packed = PackedLinear(linear)
+    x = torch.randn(2, 3, 32)[..., ::2]                                    # [2, 3, 16], not contiguous
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        out = packed(x)
+        half = packed(x.to(torch.bfloat16))
+    assert not caught
+    assert out.shape == (2, 3, 24) and out.dtype == torch.float32 and half.dtype == torch.bfloat16
+    assert torch.allclose(out, linear(x), atol=2e-2)
+
 def test_a_medusa_drafter_decoding_beside_a_packed_target_saves_only_its_weights(tiny_target_dir, tmp_path):
     from draftsmith.heads.runtime.cpu_linear import fbgemm_fp16_available
     from draftsmith.heads.drafter import load_drafter, save_drafter
