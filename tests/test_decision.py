@@ -217,3 +217,16 @@ def test_a_verification_is_priced_at_the_mean_of_its_steps_costs(tiny_target, mo
 def test_lookup_sizes_halve_down_to_one():
     assert decision_module.halvings(4) == [2, 1] and decision_module.halvings(10) == [5, 2, 1]
     assert decision_module.halvings(1) == []
+
+
+@pytest.mark.parametrize("tuned, small", [(8, [2, 3]), (3, [2]), (2, [])])
+def test_static_trees_smaller_than_the_tuned_one_are_candidates(tiny_target, tuned, small):
+    """A static tree (Medusa) is also tried at 2 and 3 nodes below its tuned size: on a CPU whose curve is
+    flat for a few tokens, the first position's top 2 paid where the tuned tree of 4 did not."""
+    from draftsmith.heads.medusa import Medusa, MedusaConfig
+    drafter = Medusa(MedusaConfig(num_heads=2, lm_head="shared"), tiny_target)
+    shapes = decision_module.candidate_settings(drafter, tiny_target, EvalSettings(tree_size=tuned, lookup=2))
+    trees = [s for s in shapes if s["tree_size"]]
+    assert sorted({s["tree_size"] for s in trees}) == sorted([tuned, *small])
+    assert all({s["lookup"] for s in trees if s["tree_size"] == size} == {0, 2} for size in [tuned, *small])
+    assert {s["chain_length"] for s in shapes if s["proposal"] == "chain"} == {1, 2}
