@@ -12,7 +12,7 @@ verification's cost is T(n) averaged over the steps the calibration made, not T 
 lookup proposes a varying number of tokens (none where the context has no match), and on a CPU T(n) is flat
 for small n and steep after, so the mean of T is what the steps cost.
 The candidates: chains of 1 to the drafter's depth (longer ones while they commit more a step), the
-drafter's own tuned tree (and, for static trees, the trees of 2 and 3 nodes when the tuned one is larger), each
+drafter's own tuned tree (and, for static trees, the trees of 2 and 3 nodes beside it), each
 with the context lookup off and at `eval.lookup`; then, with the shape of the
 best candidate that had the lookup, the lookup at each halving of `eval.lookup` down to 1 (fewer tokens keep a
 verification in the flat part of the curve); and plain decoding (S = 1).  The best predicted S wins; when none
@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 CALIBRATION_PROMPTS = 2
 CALIBRATION_TOKENS = 32          # per prompt and candidate
 MIN_STEPS = 8                    # fewer verification steps measure no acceptance
-SMALL_TREES = (2, 3)              # static trees also tried below the tuned size: the first position's top 2
-                                 # (and a second level), which keep a verification in a CPU curve's flat part
+SMALL_TREES = (2, 3)              # static trees tried beside the tuned size: the first position's top 2 (and a
+                                 # second level), which keep a verification in a CPU curve's flat part; tried
+                                 # whatever the tuner chose (its 5-round curve chose 1 in one run, 3 in another)
 CURVE_REPEATS = 15               # interleaved rounds of T(n): on a shared 2-core VM, 5 rounds put T(2)/T(1)
                                  # anywhere in 0.95-1.25 (one run priced every proposal below 1 so); 15: 1.03-1.11
 
@@ -102,7 +103,7 @@ def candidate_settings(drafter, target: Target, options: EvalSettings) -> list[d
                        "tree_depth_topk_total": probe.tree_depth_topk_total})
     if not target.recurrent and drafter.static_tree and probe.tree_size:
         shapes += [{"proposal": "tree", "chain_length": None, "tree_size": size, "tree_depth_topk_total": None}
-                   for size in SMALL_TREES if size < probe.tree_size]
+                   for size in SMALL_TREES if size != probe.tree_size]
     return [{**shape, "lookup": lookup} for shape in shapes for lookup in lookups]
 
 

@@ -219,10 +219,11 @@ def test_lookup_sizes_halve_down_to_one():
     assert decision_module.halvings(1) == []
 
 
-@pytest.mark.parametrize("tuned, small", [(8, [2, 3]), (3, [2]), (2, [])])
-def test_static_trees_smaller_than_the_tuned_one_are_candidates(tiny_target, tuned, small):
-    """A static tree (Medusa) is also tried at 2 and 3 nodes below its tuned size: on a CPU whose curve is
-    flat for a few tokens, the first position's top 2 paid where the tuned tree of 4 did not."""
+@pytest.mark.parametrize("tuned, small", [(8, [2, 3]), (3, [2]), (2, [3]), (1, [2, 3])])
+def test_static_trees_of_two_and_three_are_candidates_beside_the_tuned_one(tiny_target, tuned, small):
+    """A static tree (Medusa) is also tried at 2 and 3 nodes, whatever size the tuner chose: on a CPU whose
+    curve is flat for a few tokens, the first position's top 2 paid where the tuned tree of 4 did not, and a
+    tuner that chose 1 (a chain) from a noisy curve must not hide them."""
     from draftsmith.heads.medusa import Medusa, MedusaConfig
     drafter = Medusa(MedusaConfig(num_heads=2, lm_head="shared"), tiny_target)
     shapes = decision_module.candidate_settings(drafter, tiny_target, EvalSettings(tree_size=tuned, lookup=2))
