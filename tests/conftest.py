@@ -51,15 +51,42 @@ def pytest_collection_modifyitems(config, items):
 STEPS = {"eagle3": 60, "p_eagle": 60, "medusa": 24, "dflash": 30, "medusa2": 12}
 
 
+class DefaultRuns(dict):
+    """method -> checkpoint, each drafter trained the first time a test asks for it: the default run trains
+    only what its tests read (Medusa-2, about 4.5 minutes of a worker, only the heavy tier reads).  The
+    data is generated once, by EAGLE-3 (trained first: its cache holds every layer the others read)."""
+
+    def __init__(self, out: Path, common: dict, drafters: dict):
+        super().__init__()
+        self.out, self.common, self.drafters = out, common, drafters
+        self["eagle3"]                           # noqa: B018 -- the data, and the drafter most tests read
+
+    def __missing__(self, method: str) -> Path:
+        import shutil
+
+        from draftsmith.train.loop import fit
+        from draftsmith.train.settings import recipe_from_dict
+
+        if method not in self.drafters:
+            raise KeyError(f"the default run trains {', '.join(self.drafters)}, not '{method}'")
+        spec = {**self.common, "method": method, "drafter": self.drafters[method],
+                "output_dir": str(self.out / method)}
+        spec["train"] = {**self.common["train"], "max_steps": STEPS[method]}
+        if method == "medusa2":  # its backbone takes gradients: an unpacked target
+            spec["target"] = {"path": "smollm2-135m", "dtype": "float32"}
+        if method != "eagle3":   # the same data (and cache: layer 30 is among EAGLE-3's), no second generation
+            shutil.copytree(self.out / "eagle3" / "data", self.out / method / "data")
+        self[method] = fit(recipe_from_dict(spec), progress=False).checkpoint
+        return self[method]
+
+
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
     """Self-distilled data on SmolLM2-135M, then a few steps of training (STEPS) each for an EAGLE-3, a
-    P-EAGLE, a Medusa, a DFlash and a Medusa-2 drafter, no decoding evaluation at the end
-    (train.eval_prompts 0: the tests evaluate).  train.max_minutes is only a ceiling for a pathologically
-    slow machine.  Medusa scores the full vocabulary (vLLM 0.32 cannot load a Medusa token_map)."""
-    from draftsmith.train.loop import fit
-    from draftsmith.train.settings import recipe_from_dict
-
+    P-EAGLE, a Medusa, a DFlash and a Medusa-2 drafter (each when a test first reads it: DefaultRuns), no
+    decoding evaluation at the end (train.eval_prompts 0: the tests evaluate).  train.max_minutes is only a
+    ceiling for a pathologically slow machine.  Medusa scores the full vocabulary (vLLM 0.32 cannot load a
+    Medusa token_map)."""
     out = tmp_path_factory.mktemp("default-run")
     common = {
         "output_dir": str(out), "seed": 0, "target": {"path": "smollm2-135m"},
@@ -67,27 +94,12 @@ def default_run(tmp_path_factory):
         "train": {"batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "epochs": 20, "max_minutes": 4,
                   "save_every": 1000, "heldout_fraction": 0.1, "eval_prompts": 0},
     }
-    runs = {}
     medusa = {"num_heads": 3, "lm_head": "shared", "draft_vocab_size": None}
-    for method, drafter in (("eagle3", {"layer_ids": [2, 15, 27], "draft_vocab_size": 2048, "ttt_steps": 2,
-                                         "tree": {"depth": 3, "top_k": 1, "total_tokens": 3}}),
-                            ("p_eagle", {"layer_ids": [2, 15, 27], "draft_vocab_size": 2048, "ttt_steps": 3,
-                                         "tree": {"depth": 3, "top_k": 1, "total_tokens": 3}}),
-                            ("dflash", {"layer_ids": [2, 15, 27], "draft_vocab_size": 2048, "block_size": 4,
-                                        "tree": {"depth": 3, "top_k": 1, "total_tokens": 3}}),
-                            ("medusa", medusa),
-                            ("medusa2", {**medusa, "lora_r": 8, "lora_alpha": 16, "heads_only_steps": 5,
-                                         "ramp_steps": 5})):
-        spec = {**common, "method": method, "drafter": drafter, "output_dir": str(out / method)}
-        spec["train"] = {**common["train"], "max_steps": STEPS[method]}
-        if method == "medusa2":  # its backbone takes gradients: an unpacked target
-            spec["target"] = {"path": "smollm2-135m", "dtype": "float32"}
-        if method != "eagle3":   # the same data (and cache: layer 30 is among EAGLE-3's), no second generation
-            import shutil
-            shutil.copytree(out / "eagle3" / "data", out / method / "data")
-        report = fit(recipe_from_dict(spec), progress=False)
-        runs[method] = report.checkpoint
-    return runs
+    eagle = {"layer_ids": [2, 15, 27], "draft_vocab_size": 2048, "tree": {"depth": 3, "top_k": 1, "total_tokens": 3}}
+    return DefaultRuns(out, common, {
+        "eagle3": {**eagle, "ttt_steps": 2}, "p_eagle": {**eagle, "ttt_steps": 3}, "dflash": {**eagle, "block_size": 4},
+        "medusa": medusa,
+        "medusa2": {**medusa, "lora_r": 8, "lora_alpha": 16, "heads_only_steps": 5, "ramp_steps": 5}})
 
 
 def kill_at_step(proc, checkpoint: Path, step: int, group: bool = False, timeout: float = 300) -> dict:
